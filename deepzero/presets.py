@@ -27,6 +27,10 @@ class ModelPreset:
     """Hugging Face hub id of the real checkpoint; None for a random-init preset built with from_config."""
     about: str = ""
     tags: tuple[str, ...] = field(default_factory=tuple)
+    pretrain_lr: float | None = None
+    """Peak lr for training this random-init preset from scratch; used unless --lr is given (the ds_configs lr
+    of 3e-5 is a fine-tuning lr for real checkpoints and barely moves a random model)."""
+    pretrain_warmup_steps: int | None = None
 
     def config(self, **overrides: Any) -> PretrainedConfig:
         """A Transformers config for this architecture (no weights, no download)."""
@@ -65,6 +69,8 @@ PRESETS: dict[str, ModelPreset] = {
             _TINY_V3,
             about="embedded default: DeepSeek-V3 architecture (MLA + MoE, 8 experts, top-2), ~2.5M params",
             tags=("tiny",),
+            pretrain_lr=2e-3,
+            pretrain_warmup_steps=30,
         ),
         ModelPreset(
             "tiny-deepseek-v2",
@@ -76,6 +82,8 @@ PRESETS: dict[str, ModelPreset] = {
             },
             about="DeepSeek-V2 architecture (MLA + MoE) at test size",
             tags=("tiny",),
+            pretrain_lr=2e-3,
+            pretrain_warmup_steps=30,
         ),
         ModelPreset(
             "deepseek-coder-1.3b",

@@ -1,0 +1,45 @@
+# deepzero: two commands on a fresh machine —  `make train`  and  `make test`.
+PYTHON    ?= python3
+VENV      ?= .venv
+BIN       := $(VENV)/bin
+# On a CUDA machine pip takes the CUDA build of this version; here it takes the CPU wheel on disk.
+TORCH_SPEC ?= torch==2.13.0
+NUM_GPUS  ?= 3
+DS_CONFIG ?= ds_configs/zero2.json
+DATA      ?= artifacts/data/stdlib
+SEQ_LEN   ?= 256
+OUT       ?= runs/default
+TRAIN_ARGS ?=
+PYTEST_ARGS ?=
+
+.PHONY: setup data train test lint plan doctor clean
+
+setup: $(VENV)/.installed
+
+$(VENV)/.installed: requirements.txt
+	test -x $(BIN)/python || $(PYTHON) -m venv $(VENV)
+	$(BIN)/python -m pip install -q --upgrade pip
+	$(BIN)/python -m pip install -q "$(TORCH_SPEC)"
+	$(BIN)/python -m pip install -q -r requirements.txt
+	touch $@
+
+# Embedded default data: the Python standard library's own source, with a BPE tokenizer trained on it here.
+data: setup
+	$(BIN)/python data/prepare.py --input stdlib --tokenizer train --vocab-size 4096 --seq-len $(SEQ_LEN) --out $(DATA)
+
+train: data
+	PATH="$(CURDIR)/$(BIN):$$PATH" deepspeed --num_gpus=$(NUM_GPUS) train.py \
+		--deepspeed_config $(DS_CONFIG) --data $(DATA) --out $(OUT) $(TRAIN_ARGS)
+
+test: setup
+	$(BIN)/python -m pytest $(PYTEST_ARGS) tests; rc=$$?; \
+	if [ $$rc -eq 5 ]; then echo "pytest collected no tests"; exit 1; fi; exit $$rc
+
+lint: setup
+	$(BIN)/ruff check . && $(BIN)/ruff format --check .
+
+doctor: setup
+	$(BIN)/python -m deepzero.doctor --checkpoint-dir $(dir $(OUT)) $(DOCTOR_ARGS)
+
+clean:
+	rm -rf runs artifacts .pytest_cache

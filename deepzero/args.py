@@ -1,0 +1,101 @@
+"""The run's typed configuration: one dataclass, parsed from the command line, checked once."""
+
+from __future__ import annotations
+
+import difflib
+import json
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+from typing import Literal
+
+from deepzero.errors import UserError
+
+DEFAULT_DATA = "artifacts/data/stdlib"
+
+
+def _help(text: str, **kw) -> dict:
+    return {"metadata": {"help": text}, **kw}
+
+
+@dataclass
+class TrainArgs:
+    """Everything a training run needs besides the DeepSpeed JSON (which owns batch, optimizer and precision)."""
+
+    deepspeed_config: str = field(
+        default="ds_configs/zero2.json", **_help("DeepSpeed JSON preset (ds_configs/*.json).")
+    )
+    model: str = field(
+        default="tiny-deepseek-v3",
+        **_help("A preset name (see deepzero.presets), a local folder, or a Hugging Face hub id."),
+    )
+    tokenizer: str | None = field(
+        default=None, **_help("Tokenizer folder or hub id. Default: the one the data was prepared with, else --model.")
+    )
+    data: str = field(
+        default=DEFAULT_DATA, **_help("Folder written by data/prepare.py (train.bin, val.bin, meta.json).")
+    )
+    out: str = field(default="runs/default", **_help("Run folder: metrics.jsonl, checkpoints/, hf/ export."))
+    max_steps: int = field(default=300, **_help("Optimizer steps to train for (not micro-steps)."))
+    lr: float | None = field(default=None, **_help("Override the optimizer lr (and the scheduler's peak lr)."))
+    warmup_steps: int | None = field(default=None, **_help("Override the scheduler's warmup_num_steps."))
+    micro_batch: int | None = field(default=None, **_help("Override train_micro_batch_size_per_gpu."))
+    grad_accum: int | None = field(default=None, **_help("Override gradient_accumulation_steps."))
+    ds: list[str] = field(
+        default_factory=list, **_help("Override any DeepSpeed key: --ds zero_optimization.stage=3 fp16.enabled=false")
+    )
+    seed: int = field(default=0, **_help("Seed for weights init and data order."))
+    log_interval: int = field(default=10, **_help("Optimizer steps between logged lines (the only host syncs)."))
+    eval_interval: int = field(default=100, **_help("Optimizer steps between evaluations on the val split (0: off)."))
+    eval_batches: int = field(default=8, **_help("Micro-batches per rank per evaluation."))
+    save_interval: int = field(default=100, **_help("Optimizer steps between checkpoints (0: only at the end)."))
+    keep_last: int = field(
+        default=2, **_help("Checkpoints kept; older ones are deleted after a newer one is complete.")
+    )
+    resume: bool = field(default=False, **_help("Continue from the latest checkpoint in --out/checkpoints."))
+    export: bool = field(
+        default=True, **_help("Write Hugging Face safetensors to --out/hf at the end and verify them.")
+    )
+    report_to: Literal["none", "wandb", "tensorboard"] = field(default="none", **_help("Experiment tracker."))
+    attn_implementation: str = field(default="sdpa", **_help("eager | sdpa | flash_attention_2"))
+    gradient_checkpointing: bool = field(default=False, **_help("Recompute activations in backward to save memory."))
+    trust_remote_code: bool = field(default=False, **_help("Allow code from the model repo to run (off by default)."))
+    peak_tflops: float | None = field(
+        default=None, **_help("Peak dense TFLOP/s per device for MFU. Default: looked up from the GPU name.")
+    )
+    local_rank: int = field(default=-1, **_help("Set by the deepspeed launcher."))
+
+    @property
+    def out_dir(self) -> Path:
+        return Path(self.out)
+
+    @property
+    def checkpoint_dir(self) -> Path:
+        return self.out_dir / "checkpoints"
+
+    def check(self) -> None:
+        """Cheap checks that need no model or data."""
+        for name in ("max_steps", "log_interval", "eval_batches", "keep_last"):
+            if getattr(self, name) < 1:
+                raise UserError(f"--{name.replace('_', '-')}", "must be at least 1", "pass a positive integer")
+        for name in ("eval_interval", "save_interval"):
+            if getattr(self, name) < 0:
+                raise UserError(f"--{name.replace('_', '-')}", "must be 0 (off) or positive", "pass 0 or more")
+
+    def to_json(self) -> str:
+        return json.dumps(asdict(self), indent=2, sort_keys=True)
+
+
+def parse_args(argv: list[str] | None = None) -> TrainArgs:
+    """Parse the command line; unknown flags are an error, not silently ignored."""
+    from transformers import HfArgumentParser
+
+    parser = HfArgumentParser(TrainArgs, description="Train a DeepSeek-family model with DeepSpeed ZeRO.")
+    (args, rest) = parser.parse_args_into_dataclasses(args=argv, return_remaining_strings=True)
+    if rest:
+        flags = [a.split("=")[0] for a in rest if a.startswith("-")] or rest
+        known = [opt for action in parser._actions for opt in action.option_strings]
+        close = difflib.get_close_matches(flags[0], known, n=1)
+        hint = f"did you mean {close[0]}?" if close else "see python train.py --help"
+        raise UserError("train.py", f"unknown argument {' '.join(rest)}", hint)
+    args.check()
+    return args

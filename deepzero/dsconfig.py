@@ -1,0 +1,335 @@
+"""Load, validate and resolve a DeepSpeed JSON preset before anything heavy happens.
+
+The one place that owns the batch math and every ``"auto"`` value. DeepSpeed ignores unknown top-level
+keys and some of its sub-configs silently drop ``"auto"``; here every mistake is collected and raised once,
+as one line naming the file, the keys and the fix.
+"""
+
+from __future__ import annotations
+
+import copy
+import difflib
+import inspect
+import json
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+from deepzero.errors import UserError
+
+# Top-level keys DeepSpeed understands (https://www.deepspeed.ai/docs/config-json/). Keys starting with "_"
+# are comments (e.g. "_launch") and are removed before the config reaches DeepSpeed.
+KNOWN_TOP_LEVEL = frozenset(
+    """train_batch_size train_micro_batch_size_per_gpu gradient_accumulation_steps optimizer scheduler fp16 bf16
+    bfloat16 amp torch_autocast gradient_clipping prescale_gradients gradient_predivide_factor sparse_gradients
+    zero_optimization zero_allow_untested_optimizer zero_force_ds_cpu_optimizer activation_checkpointing
+    flops_profiler steps_per_print wall_clock_breakdown dump_state memory_breakdown tensorboard wandb csv_monitor
+    comet comms_logger autotuning elasticity data_efficiency curriculum_learning data_types checkpoint aio pipeline
+    communication_data_type seq_parallel_communication_data_type compression_training sparse_attention
+    disable_allgather dataloader_drop_last eigenvalue progressive_layer_drop quantize_training nebula hybrid_engine
+    compile timers use_data_before_expert_parallelism weight_quantization tensor_parallel sequence_parallel_size
+    graph_harvesting zenflow""".split()
+)
+
+OPTIMIZER_PARAMS = {
+    "adam": {"lr", "betas", "eps", "weight_decay", "torch_adam", "adam_w_mode", "bias_correction", "amsgrad"},
+    "adamw": {"lr", "betas", "eps", "weight_decay", "torch_adam", "adam_w_mode", "bias_correction", "amsgrad"},
+    "sgd": {"lr", "momentum", "weight_decay", "nesterov", "dampening"},
+    "lamb": {"lr", "betas", "eps", "weight_decay", "max_coeff", "min_coeff", "bias_correction"},
+    "adagrad": {"lr", "eps", "weight_decay", "lr_decay"},
+    "lion": {"lr", "betas", "weight_decay"},
+}
+
+
+@dataclass(frozen=True)
+class BatchMath:
+    """micro × accumulation × data-parallel size = global; computed in one place and logged at start."""
+
+    micro: int
+    accum: int
+    dp_size: int
+
+    @property
+    def global_batch(self) -> int:
+        return self.micro * self.accum * self.dp_size
+
+    def describe(self, seq_len: int | None = None) -> str:
+        tokens = f" = {self.global_batch * seq_len:,} tokens/step" if seq_len else ""
+        return (
+            f"batch: micro {self.micro} × accumulation {self.accum} × data-parallel {self.dp_size}"
+            f" = global {self.global_batch} sequences{tokens}"
+        )
+
+
+@dataclass(frozen=True)
+class TrainingHints:
+    """Values the training run supplies to fill "auto" entries (and the CLI overrides)."""
+
+    max_steps: int
+    lr: float | None = None
+    warmup_steps: int | None = None
+    micro_batch: int | None = None
+    grad_accum: int | None = None
+    hidden_size: int | None = None
+
+
+def load_json(path: str | Path) -> dict[str, Any]:
+    """Read a JSON preset; a missing file or a syntax error becomes one clear line."""
+    path = Path(path)
+    if not path.is_file():
+        presets = ", ".join(sorted(p.name for p in Path("ds_configs").glob("*.json"))) or "ds_configs/*.json"
+        raise UserError(str(path), "DeepSpeed config not found", f"pass --deepspeed_config with one of: {presets}")
+    try:
+        data = json.loads(path.read_text())
+    except json.JSONDecodeError as e:
+        raise UserError(
+            f"{path}:{e.lineno}:{e.colno}", f"invalid JSON ({e.msg})", "fix the syntax (no comments or trailing commas)"
+        ) from None
+    if not isinstance(data, dict):
+        raise UserError(str(path), "top level must be a JSON object", 'write {"train_micro_batch_size_per_gpu": ...}')
+    return data
+
+
+def apply_overrides(cfg: dict[str, Any], overrides: list[str], source: str) -> None:
+    """Apply ``dotted.key=value`` overrides in place (value parsed as JSON, else kept as a string)."""
+    for item in overrides:
+        key, sep, raw = item.partition("=")
+        if not sep or not key:
+            raise UserError(
+                f"--ds {item}", "override must look like key.sub=value", "e.g. --ds zero_optimization.stage=3"
+            )
+        try:
+            value = json.loads(raw)
+        except json.JSONDecodeError:
+            value = raw
+        node = cfg
+        *parents, leaf = key.split(".")
+        for part in parents:
+            node = node.setdefault(part, {})
+            if not isinstance(node, dict):
+                raise UserError(f"{source} --ds {item}", f"{part} is not a section", "override a leaf key")
+        node[leaf] = value
+
+
+def _typo_hint(key: str, known: frozenset[str] | set[str]) -> str:
+    close = difflib.get_close_matches(key, sorted(known), n=1, cutoff=0.6)
+    return f"did you mean '{close[0]}'?" if close else "remove it or check https://www.deepspeed.ai/docs/config-json/"
+
+
+def _pydantic_problems(model: type, section: dict[str, Any], prefix: str) -> list[str]:
+    """Validate a section with DeepSpeed's own pydantic model; list each bad key with a hint."""
+    from pydantic import ValidationError
+
+    try:
+        model(**section)
+    except ValidationError as err:
+        fields = set(model.model_fields) | {f.alias for f in model.model_fields.values() if f.alias}
+        problems = []
+        for e in err.errors():
+            loc = ".".join(str(p) for p in e["loc"])
+            key = f"{prefix}.{loc}"
+            if e["type"] == "extra_forbidden":
+                problems.append(f"unknown key '{key}' ({_typo_hint(str(e['loc'][-1]), fields)})")
+            else:
+                problems.append(f"'{key}': {e['msg']}")
+        return problems
+    return []
+
+
+def _section_models() -> dict[str, type]:
+    from deepspeed.monitor.config import CSVConfig, TensorBoardConfig, WandbConfig
+    from deepspeed.runtime.precision_config import DeepSpeedBF16Config, DeepSpeedFP16Config
+    from deepspeed.runtime.zero.config import DeepSpeedZeroConfig
+
+    return {
+        "zero_optimization": DeepSpeedZeroConfig,
+        "fp16": DeepSpeedFP16Config,
+        "bf16": DeepSpeedBF16Config,
+        "tensorboard": TensorBoardConfig,
+        "wandb": WandbConfig,
+        "csv_monitor": CSVConfig,
+    }
+
+
+def _scheduler_params(name: str) -> set[str] | None:
+    from deepspeed.runtime import lr_schedules
+
+    cls = getattr(lr_schedules, name, None)
+    if cls is None or not inspect.isclass(cls):
+        return None
+    return {p for p in inspect.signature(cls.__init__).parameters if p not in ("self", "optimizer")}
+
+
+def validate(cfg: dict[str, Any]) -> list[str]:
+    """Every problem in a resolved config (no "auto" left), as short phrases naming the key."""
+    problems = [f"unknown key '{k}' ({_typo_hint(k, KNOWN_TOP_LEVEL)})" for k in cfg if k not in KNOWN_TOP_LEVEL]
+    for name, model in _section_models().items():
+        if isinstance(cfg.get(name), dict):
+            problems += _pydantic_problems(model, cfg[name], name)
+    if cfg.get("fp16", {}).get("enabled") and cfg.get("bf16", {}).get("enabled"):
+        problems.append("both 'fp16.enabled' and 'bf16.enabled' are true (pick one)")
+    if opt := cfg.get("optimizer"):
+        known = OPTIMIZER_PARAMS.get(str(opt.get("type", "")).lower())
+        if known is None:
+            problems.append(f"'optimizer.type' {opt.get('type')!r} is not one of {sorted(OPTIMIZER_PARAMS)}")
+        else:
+            for k in opt.get("params", {}):
+                if k not in known:
+                    problems.append(f"unknown key 'optimizer.params.{k}' ({_typo_hint(k, known)})")
+    if sched := cfg.get("scheduler"):
+        known = _scheduler_params(str(sched.get("type", "")))
+        if known is None:
+            problems.append(f"'scheduler.type' {sched.get('type')!r} is not a DeepSpeed LR schedule")
+        else:
+            for k in sched.get("params", {}):
+                if k not in known:
+                    problems.append(f"unknown key 'scheduler.params.{k}' ({_typo_hint(k, known)})")
+    return problems
+
+
+def resolve_batch(cfg: dict[str, Any], dp_size: int, hints: TrainingHints) -> BatchMath:
+    """Fill and check the three batch keys against the real data-parallel size. Never floors silently."""
+    micro = hints.micro_batch or _int_or_none(cfg.get("train_micro_batch_size_per_gpu"))
+    accum = hints.grad_accum or _int_or_none(cfg.get("gradient_accumulation_steps"))
+    total = None if (hints.micro_batch or hints.grad_accum) else _int_or_none(cfg.get("train_batch_size"))
+    if micro is None and accum is None and total is None:
+        micro, accum = 1, 1
+    if micro is None:
+        micro = _divide(total, (accum or 1) * dp_size, "train_micro_batch_size_per_gpu", dp_size, accum or 1)
+    if accum is None:
+        accum = 1 if total is None else _divide(total, micro * dp_size, "gradient_accumulation_steps", dp_size, micro)
+    batch = BatchMath(micro, accum, dp_size)
+    if total is not None and total != batch.global_batch:
+        raise _BatchError(
+            f"train_batch_size {total} != micro {micro} × gradient_accumulation_steps {accum} × world size {dp_size}"
+            f" (= {batch.global_batch})",
+            f'set "train_batch_size": {batch.global_batch} or "auto"',
+        )
+    cfg.update(
+        train_micro_batch_size_per_gpu=micro, gradient_accumulation_steps=accum, train_batch_size=batch.global_batch
+    )
+    return batch
+
+
+class _BatchError(Exception):
+    def __init__(self, problem: str, fix: str) -> None:
+        super().__init__(problem)
+        self.problem, self.fix = problem, fix
+
+
+def _int_or_none(value: Any) -> int | None:
+    return None if value in (None, "auto") else int(value)
+
+
+def _divide(total: int, by: int, key: str, dp_size: int, other: int) -> int:
+    if total % by:
+        candidates = [total - total % by, total - total % by + by]
+        raise _BatchError(
+            f"train_batch_size {total} is not divisible by world size {dp_size} × {other} (needed to derive {key})",
+            f'set "train_batch_size" to {" or ".join(str(c) for c in candidates if c > 0)}, or to "auto"',
+        )
+    return total // by
+
+
+def fill_auto(cfg: dict[str, Any], hints: TrainingHints) -> list[str]:
+    """Replace every "auto" (and apply --lr / --warmup-steps); return keys still "auto" that we cannot fill."""
+    opt = cfg.get("optimizer", {}).get("params", {})
+    if hints.lr is not None:
+        opt["lr"] = hints.lr
+    sched = cfg.get("scheduler", {}).get("params", {})
+    lr = opt.get("lr")
+    values = {
+        "gradient_clipping": 1.0,
+        "warmup_max_lr": lr,
+        "warmup_num_steps": hints.warmup_steps,
+        "total_num_steps": hints.max_steps,
+    }
+    if hints.lr is not None and "warmup_max_lr" in sched:
+        sched["warmup_max_lr"] = hints.lr
+    if hints.warmup_steps is not None and "warmup_num_steps" in sched:
+        sched["warmup_num_steps"] = hints.warmup_steps
+    if "total_num_steps" in sched:
+        sched["total_num_steps"] = hints.max_steps
+    if sched.get("warmup_num_steps") == "auto" and hints.warmup_steps is None:
+        values["warmup_num_steps"] = max(1, hints.max_steps // 20)
+    if h := hints.hidden_size:
+        values |= {
+            "reduce_bucket_size": h * h,
+            "stage3_prefetch_bucket_size": int(0.9 * h * h),
+            "stage3_param_persistence_threshold": 10 * h,
+        }
+    unresolved: list[str] = []
+
+    def walk(node: dict[str, Any], prefix: str) -> None:
+        for key, value in node.items():
+            path = f"{prefix}{key}"
+            if isinstance(value, dict):
+                walk(value, f"{path}.")
+            elif value == "auto":
+                if values.get(key) is not None:
+                    node[key] = values[key]
+                elif key not in ("train_batch_size", "train_micro_batch_size_per_gpu", "gradient_accumulation_steps"):
+                    unresolved.append(path)
+
+    walk(cfg, "")
+    return unresolved
+
+
+@dataclass(frozen=True)
+class ResolvedConfig:
+    """A DeepSpeed config ready for ``deepspeed.initialize``, plus what the loop needs to know about it."""
+
+    path: str
+    ds: dict[str, Any]
+    batch: BatchMath
+
+    @property
+    def precision(self) -> str:
+        if self.ds.get("bf16", {}).get("enabled"):
+            return "bf16"
+        return "fp16" if self.ds.get("fp16", {}).get("enabled") else "fp32"
+
+    @property
+    def zero_stage(self) -> int:
+        return int(self.ds.get("zero_optimization", {}).get("stage", 0))
+
+    @property
+    def is_pipeline(self) -> bool:
+        return "pipeline" in self.ds
+
+    @property
+    def offload(self) -> list[str]:
+        zero = self.ds.get("zero_optimization", {})
+        return [
+            what
+            for what in ("optimizer", "param")
+            if zero.get(f"offload_{what}", {}).get("device", "none") not in ("none", None)
+        ]
+
+
+def resolve(
+    path: str | Path, dp_size: int, hints: TrainingHints, overrides: list[str] | tuple[str, ...] = ()
+) -> ResolvedConfig:
+    """Load, override, fill "auto", check batch math against ``dp_size`` and validate; raise once, listing all."""
+    raw = load_json(path)
+    cfg = copy.deepcopy({k: v for k, v in raw.items() if not k.startswith("_")})
+    apply_overrides(cfg, list(overrides), str(path))
+    problems, fixes = [], []
+    try:
+        batch = resolve_batch(cfg, dp_size, hints)
+    except _BatchError as err:
+        problems.append(err.problem)
+        fixes.append(err.fix)
+        batch = BatchMath(1, 1, dp_size)
+    except (TypeError, ValueError) as err:
+        problems.append(f'batch keys must be integers or "auto" ({err})')
+        batch = BatchMath(1, 1, dp_size)
+    unresolved = fill_auto(cfg, hints)
+    problems += [f"'{k}' is \"auto\" but nothing can fill it" for k in unresolved]
+    if unresolved:
+        fixes.append("give a number")
+    problems += validate(cfg)
+    if problems:
+        fixes.append("edit the file or override with --ds key=value")
+        raise UserError(str(path), "; ".join(problems), "; ".join(dict.fromkeys(fixes)))
+    return ResolvedConfig(str(path), cfg, batch)

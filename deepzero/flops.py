@@ -1,0 +1,71 @@
+"""Training FLOPs per token and MFU, from the model itself (MoE counted by active experts)."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+# Dense bf16/fp16 tensor-core peak per device, TFLOP/s (vendor datasheets, no sparsity).
+PEAK_TFLOPS = {
+    "H200": 989.0,
+    "H100": 989.0,
+    "A100": 312.0,
+    "L40S": 362.0,
+    "RTX 4090": 165.2,
+    "RTX 4080": 97.5,
+    "RTX 3090": 71.0,
+    "A6000": 154.8,
+}
+
+
+@dataclass(frozen=True)
+class ParamCounts:
+    total: int
+    active: int
+    """Parameters touched per token: routed experts scaled by top-k / n_experts."""
+    embedding: int
+
+
+def count_params(model: torch.nn.Module) -> ParamCounts:
+    """Total, active (MoE) and input-embedding parameter counts. Works on meta, ZeRO-3 (ds_numel) and real tensors."""
+    config = model.config
+
+    def numel(p: torch.nn.Parameter) -> int:
+        return int(getattr(p, "ds_numel", p.numel()))
+
+    total = sum(numel(p) for p in model.parameters())
+    embedding = sum(numel(p) for p in model.get_input_embeddings().parameters())
+    n_experts = getattr(config, "n_routed_experts", None) or getattr(config, "num_experts", None)
+    top_k = getattr(config, "num_experts_per_tok", None)
+    routed = 0
+    if n_experts and top_k:
+        routed = sum(
+            numel(p) for name, p in model.named_parameters() if ".experts." in f".{name}" and "shared" not in name
+        )
+        active = total - routed + routed * top_k // n_experts
+    else:
+        active = total
+    return ParamCounts(total=total, active=active, embedding=embedding)
+
+
+def flops_per_token(model: torch.nn.Module, seq_len: int) -> float:
+    """6 × active non-embedding params + attention scores: 6 · layers · seq · heads · (d_qk + d_v)."""
+    config = model.config
+    counts = count_params(model)
+    heads = config.num_attention_heads
+    head_dim = getattr(config, "head_dim", None) or config.hidden_size // heads
+    d_qk = getattr(config, "qk_head_dim", None) or head_dim
+    d_v = getattr(config, "v_head_dim", None) or head_dim
+    attention = 6 * config.num_hidden_layers * seq_len * heads * (d_qk + d_v)
+    return 6 * (counts.active - counts.embedding) + attention
+
+
+def peak_tflops(override: float | None = None) -> float | None:
+    """Peak TFLOP/s of this rank's device: the override, a datasheet lookup by GPU name, or None (CPU)."""
+    if override:
+        return override
+    if not torch.cuda.is_available():
+        return None
+    name = torch.cuda.get_device_name()
+    return next((v for k, v in PEAK_TFLOPS.items() if k in name), None)

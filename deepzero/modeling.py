@@ -1,0 +1,133 @@
+"""Resolve ``--model`` and ``--tokenizer`` to Transformers objects: presets, local folders or hub ids."""
+
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import torch
+from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer, PretrainedConfig, PreTrainedTokenizerBase
+
+from deepzero.errors import UserError
+from deepzero.presets import PRESETS
+
+
+@dataclass(frozen=True)
+class ModelSource:
+    """Where a model comes from: a random-init preset (from_config) or pretrained weights (from_pretrained)."""
+
+    spec: str
+    pretrained: str | None
+    """Folder or hub id for from_pretrained; None for a random-init preset."""
+    preset_config: PretrainedConfig | None = None
+
+    @property
+    def random_init(self) -> bool:
+        return self.pretrained is None
+
+
+def resolve_model(spec: str) -> ModelSource:
+    """Turn ``--model`` into a source, without loading weights."""
+    if spec in PRESETS:
+        preset = PRESETS[spec]
+        if preset.hub_id is None:
+            return ModelSource(spec, None, preset.config())
+        return ModelSource(spec, preset.hub_id, preset.config())
+    path = Path(spec)
+    if path.exists():
+        if not (path / "config.json").is_file():
+            raise UserError(f"--model {spec}", "folder has no config.json", "point at a save_pretrained() folder")
+        return ModelSource(spec, str(path))
+    if spec.count("/") == 1 and not spec.startswith((".", "/")):
+        return ModelSource(spec, spec)
+    raise UserError(
+        f"--model {spec}", "not a preset, an existing folder, or an org/name hub id", f"presets: {', '.join(PRESETS)}"
+    )
+
+
+def load_config(source: ModelSource, trust_remote_code: bool = False) -> PretrainedConfig:
+    """The model's config only (cheap): used for planning and checks before any weights load."""
+    if source.preset_config is not None:
+        return source.preset_config
+    try:
+        return AutoConfig.from_pretrained(source.pretrained, trust_remote_code=trust_remote_code)
+    except OSError as err:
+        raise UserError(
+            f"--model {source.spec}", f"cannot read its config ({_first_line(err)})", _offline_fix()
+        ) from None
+    except ValueError as err:
+        if "trust_remote_code" in str(err):
+            raise UserError(
+                f"--model {source.spec}",
+                "needs custom code from the model repo",
+                "pass --trust-remote-code if you trust it",
+            ) from None
+        raise
+
+
+def load_tokenizer(spec: str, trust_remote_code: bool = False) -> PreTrainedTokenizerBase:
+    """AutoTokenizer.from_pretrained with a clear error; sets a pad token if the tokenizer has none."""
+    try:
+        tok = AutoTokenizer.from_pretrained(spec, trust_remote_code=trust_remote_code)
+    except (OSError, ValueError) as err:
+        raise UserError(f"--tokenizer {spec}", f"cannot load tokenizer ({_first_line(err)})", _offline_fix()) from None
+    if tok.pad_token is None:
+        tok.pad_token = tok.eos_token
+    return tok
+
+
+def build_model(
+    source: ModelSource,
+    config: PretrainedConfig,
+    *,
+    vocab_size: int | None = None,
+    attn_implementation: str = "sdpa",
+    trust_remote_code: bool = False,
+) -> torch.nn.Module:
+    """Instantiate the model in fp32 (DeepSpeed casts to fp16/bf16). For ZeRO-3 call ``zero3_context`` first."""
+    kwargs: dict[str, Any] = {"attn_implementation": attn_implementation, "trust_remote_code": trust_remote_code}
+    if source.random_init:
+        if vocab_size is not None:
+            config.vocab_size = vocab_size
+        return AutoModelForCausalLM.from_config(config, dtype=torch.float32, **kwargs)
+    try:
+        model = AutoModelForCausalLM.from_pretrained(
+            source.pretrained, config=config, dtype=torch.float32, use_safetensors=_has_safetensors(source), **kwargs
+        )
+    except OSError as err:
+        raise UserError(f"--model {source.spec}", f"cannot load weights ({_first_line(err)})", _offline_fix()) from None
+    if vocab_size is not None and vocab_size > model.get_input_embeddings().num_embeddings:
+        model.resize_token_embeddings(vocab_size)
+    return model
+
+
+def zero3_context(ds_config: dict[str, Any]) -> object:
+    """Keep the returned object alive for the whole run: it makes from_pretrained/from_config partition at load."""
+    from transformers.integrations import HfDeepSpeedConfig
+
+    return HfDeepSpeedConfig(ds_config)
+
+
+def _has_safetensors(source: ModelSource) -> bool | None:
+    """Local folders must hold safetensors (no pickle loads); hub ids let Transformers pick safetensors first."""
+    if source.pretrained and Path(source.pretrained).is_dir():
+        if not any(Path(source.pretrained).glob("*.safetensors")):
+            raise UserError(
+                f"--model {source.spec}",
+                "no .safetensors weights (pickled .bin weights are not loaded)",
+                "convert them with save_pretrained(safe_serialization=True)",
+            )
+        return True
+    return None
+
+
+def _first_line(err: Exception) -> str:
+    return str(err).strip().splitlines()[0][:200] if str(err).strip() else type(err).__name__
+
+
+def _offline_fix() -> str:
+    if os.environ.get("HF_HUB_OFFLINE") == "1":
+        return "HF_HUB_OFFLINE=1 is set: download it first or pass a local folder"
+    return "check the name, run `huggingface-cli download <id>` first, or pass a local folder"

@@ -1,0 +1,64 @@
+"""Shared fixtures: a small real corpus prepared once per session, and the real deepspeed launcher."""
+
+from __future__ import annotations
+
+import json
+import os
+import socket
+import subprocess
+import sys
+import sysconfig
+from pathlib import Path
+
+import pytest
+
+REPO = Path(__file__).resolve().parents[1]
+STDLIB = Path(sysconfig.get_paths()["stdlib"])
+# A few standard-library packages: real Python source, present on every machine, about 1.5 MB.
+CORPUS = [STDLIB / name for name in ("json", "email", "http", "logging", "concurrent", "importlib")]
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def cpu_env(**extra: str) -> dict[str, str]:
+    env = {**os.environ, "DS_ACCELERATOR": "cpu", "OMP_NUM_THREADS": "1", "PYTHONUNBUFFERED": "1", **extra}
+    env.pop("WANDB_API_KEY", None)
+    return env
+
+
+def prepare(out: Path, *extra: str, inputs: list[Path] | None = None, seq_len: int = 64) -> Path:
+    cmd = [sys.executable, "data/prepare.py", "--input", *map(str, inputs or CORPUS)]
+    cmd += ["--seq-len", str(seq_len), "--out", str(out), *extra]
+    subprocess.run(cmd, cwd=REPO, check=True, capture_output=True, text=True, env=cpu_env())
+    return out
+
+
+@pytest.fixture(scope="session")
+def tiny_data(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """Stdlib source, BPE tokenizer (vocab 512) trained here, packed into 64-token rows."""
+    return prepare(tmp_path_factory.mktemp("data") / "stdlib", "--tokenizer", "train", "--vocab-size", "512")
+
+
+def launch(
+    args: list[str], nproc: int = 3, env: dict[str, str] | None = None, timeout: int = 900, check: bool = True
+) -> subprocess.CompletedProcess[str]:
+    """`deepspeed --num_gpus=N train.py ARGS` with the real launcher, on the CPU (gloo)."""
+    deepspeed = Path(sys.executable).parent / "deepspeed"
+    cmd = [str(deepspeed), f"--num_gpus={nproc}", f"--master_port={free_port()}", "train.py", *args]
+    proc = subprocess.run(cmd, cwd=REPO, env=env or cpu_env(), capture_output=True, text=True, timeout=timeout)
+    if check and proc.returncode != 0:
+        raise AssertionError(f"launcher exit {proc.returncode}\n{proc.stdout[-4000:]}\n{proc.stderr[-4000:]}")
+    return proc
+
+
+def records(out: Path, kind: str = "train") -> list[dict]:
+    lines = (out / "metrics.jsonl").read_text().splitlines()
+    return [r for r in map(json.loads, lines) if r["kind"] == kind]
+
+
+def losses(out: Path) -> dict[int, float]:
+    return {r["step"]: r["loss"] for r in records(out)}

@@ -1,0 +1,128 @@
+"""The DeepSpeed preset is checked before any model loads: batch math, "auto" values, unknown keys."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+
+from deepzero.dsconfig import BatchMath, TrainingHints, resolve
+from deepzero.errors import UserError
+
+PRESETS = sorted(Path("ds_configs").glob("*.json"))
+HINTS = TrainingHints(max_steps=100, hidden_size=128)
+
+
+def write(tmp_path: Path, cfg: dict | str, name: str = "ds.json") -> Path:
+    path = tmp_path / name
+    path.write_text(cfg if isinstance(cfg, str) else json.dumps(cfg))
+    return path
+
+
+def seed_preset() -> dict:
+    return json.loads(Path("ds_configs/zero2.json").read_text())
+
+
+@pytest.mark.parametrize("path", PRESETS, ids=[p.stem for p in PRESETS])
+def test_every_preset_is_valid_for_three_ranks_and_names_its_launch_command(path: Path) -> None:
+    raw = json.loads(path.read_text())
+    assert (
+        raw["_launch"].startswith("deepspeed --num_gpus=3 train.py --deepspeed_config") and path.name in raw["_launch"]
+    )
+    cfg = resolve(path, dp_size=3, hints=HINTS)
+    assert cfg.batch.global_batch == cfg.batch.micro * cfg.batch.accum * 3 == cfg.ds["train_batch_size"]
+    assert "_launch" not in cfg.ds and "auto" not in json.dumps(cfg.ds)
+
+
+def test_seed_preset_keeps_its_knobs() -> None:
+    cfg = resolve("ds_configs/zero2.json", dp_size=3, hints=HINTS).ds
+    assert cfg["fp16"]["enabled"] and cfg["fp16"]["loss_scale"] == 0
+    zero = cfg["zero_optimization"]
+    assert (zero["stage"], zero["allgather_partitions"], zero["allgather_bucket_size"], zero["reduce_scatter"]) == (
+        2,
+        True,
+        2e8,
+        True,
+    )
+    assert cfg["optimizer"] == {
+        "type": "AdamW",
+        "params": {"lr": 3e-5, "betas": [0.9, 0.999], "eps": 1e-8, "weight_decay": 0.01},
+    }
+    assert cfg["scheduler"]["type"] == "WarmupLR" and cfg["scheduler"]["params"]["warmup_num_steps"] == 500
+
+
+def test_batch_math_that_does_not_match_the_world_size_names_file_keys_and_fix(tmp_path: Path) -> None:
+    path = write(tmp_path, seed_preset())
+    with pytest.raises(UserError) as err:
+        resolve(path, dp_size=2, hints=HINTS)
+    msg = str(err.value)
+    assert str(path) in msg and "train_batch_size 24" in msg and "world size 2" in msg
+    assert '"train_batch_size": 16' in msg and "\n" not in msg
+
+
+def test_global_batch_not_divisible_by_world_size_suggests_neighbours(tmp_path: Path) -> None:
+    path = write(tmp_path, {"train_batch_size": 10, "gradient_accumulation_steps": 1})
+    with pytest.raises(UserError, match=r"not divisible by world size 3.*9 or 12"):
+        resolve(path, dp_size=3, hints=HINTS)
+
+
+def test_auto_values_are_filled_from_the_run(tmp_path: Path) -> None:
+    cfg = seed_preset() | {"train_batch_size": "auto", "gradient_clipping": "auto"}
+    cfg["scheduler"]["params"] |= {"warmup_max_lr": "auto", "warmup_num_steps": "auto"}
+    cfg["zero_optimization"]["reduce_bucket_size"] = "auto"
+    resolved = resolve(write(tmp_path, cfg), dp_size=3, hints=TrainingHints(max_steps=200, hidden_size=64, lr=1e-3))
+    ds = resolved.ds
+    assert ds["train_batch_size"] == 24 and ds["gradient_clipping"] == 1.0
+    assert ds["optimizer"]["params"]["lr"] == 1e-3 and ds["scheduler"]["params"]["warmup_max_lr"] == 1e-3
+    assert ds["scheduler"]["params"]["warmup_num_steps"] == 10
+    assert ds["zero_optimization"]["reduce_bucket_size"] == 64 * 64
+
+
+def test_cli_micro_batch_override_recomputes_global_batch(tmp_path: Path) -> None:
+    resolved = resolve(write(tmp_path, seed_preset()), dp_size=1, hints=TrainingHints(max_steps=10, micro_batch=2))
+    assert resolved.batch == BatchMath(micro=2, accum=2, dp_size=1) and resolved.ds["train_batch_size"] == 4
+
+
+def test_typo_in_top_level_and_zero_section_are_reported_together(tmp_path: Path) -> None:
+    cfg = seed_preset()
+    cfg["gradient_cliping"] = 1.0
+    cfg["zero_optimization"]["allgather_bucket_sise"] = 1
+    with pytest.raises(UserError) as err:
+        resolve(write(tmp_path, cfg), dp_size=3, hints=HINTS)
+    msg = str(err.value)
+    assert "unknown key 'gradient_cliping' (did you mean 'gradient_clipping'?)" in msg
+    assert "unknown key 'zero_optimization.allgather_bucket_sise' (did you mean 'allgather_bucket_size'?)" in msg
+
+
+def test_unknown_scheduler_and_optimizer_params(tmp_path: Path) -> None:
+    cfg = seed_preset()
+    cfg["scheduler"]["params"]["warmup_steps"] = 5
+    cfg["optimizer"]["params"]["weight_decy"] = 0.1
+    with pytest.raises(UserError) as err:
+        resolve(write(tmp_path, cfg), dp_size=3, hints=HINTS)
+    assert "scheduler.params.warmup_steps" in str(err.value) and "warmup_num_steps" in str(err.value)
+    assert "optimizer.params.weight_decy" in str(err.value)
+
+
+def test_malformed_json_names_line_and_column(tmp_path: Path) -> None:
+    path = write(tmp_path, '{\n  "train_batch_size": 24,\n}\n')
+    with pytest.raises(UserError, match=rf"{path}:3:1: invalid JSON"):
+        resolve(path, dp_size=3, hints=HINTS)
+
+
+def test_missing_file_lists_the_presets(tmp_path: Path) -> None:
+    with pytest.raises(UserError, match="zero2.json"):
+        resolve(tmp_path / "nope.json", dp_size=3, hints=HINTS)
+
+
+def test_fp16_and_bf16_together_is_an_error(tmp_path: Path) -> None:
+    cfg = seed_preset() | {"bf16": {"enabled": True}}
+    with pytest.raises(UserError, match="pick one"):
+        resolve(write(tmp_path, cfg), dp_size=3, hints=HINTS)
+
+
+def test_dotted_overrides_apply_before_validation(tmp_path: Path) -> None:
+    path = write(tmp_path, seed_preset())
+    cfg = resolve(path, dp_size=3, hints=HINTS, overrides=["zero_optimization.stage=3", "fp16.enabled=false"]).ds
+    assert cfg["zero_optimization"]["stage"] == 3 and cfg["fp16"]["enabled"] is False

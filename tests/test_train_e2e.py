@@ -1,0 +1,143 @@
+"""End to end with the real `deepspeed --num_gpus=3` launcher on the CPU (gloo): train, log, save, resume, export."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+import torch
+from conftest import cpu_env, launch, losses, records
+from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer
+
+pytestmark = pytest.mark.launcher
+
+STEPS = 24
+
+
+def tiny_args(data: Path, out: Path, *extra: str) -> list[str]:
+    return [
+        "--model", "tiny-deepseek-v3", "--data", str(data), "--out", str(out),
+        "--lr", "3e-3", "--warmup-steps", "4", "--micro-batch", "2", "--grad-accum", "2",
+        "--log-interval", "1", "--eval-interval", "12", "--eval-batches", "2", "--save-interval", "12",
+        *extra,
+    ]  # fmt: skip
+
+
+@pytest.fixture(scope="module")
+def zero2_run(tiny_data: Path, tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, str]:
+    """The seed preset (ZeRO-2, fp16, WarmupLR) for STEPS steps on 3 ranks, uninterrupted."""
+    out = tmp_path_factory.mktemp("zero2") / "run"
+    proc = launch(
+        ["--deepspeed_config", "ds_configs/zero2.json", *tiny_args(tiny_data, out, "--max-steps", str(STEPS))]
+    )
+    return out, proc.stdout + proc.stderr
+
+
+def test_seed_preset_trains_on_three_ranks_and_loss_falls(zero2_run: tuple[Path, str]) -> None:
+    out, log = zero2_run
+    assert "ZeRO-2  fp16" in log and "world 3 on cpu (gloo)" in log
+    assert "micro 2 × accumulation 2 × data-parallel 3 = global 12" in log
+    curve = losses(out)
+    assert sorted(curve) == list(range(1, STEPS + 1))
+    first, last = curve[1], sum(curve[s] for s in range(STEPS - 3, STEPS + 1)) / 4
+    assert first > 5.5 and last < first - 1.0, f"loss did not fall clearly: {first:.3f} -> {last:.3f}"
+
+
+def test_every_log_point_reports_the_promised_metrics(zero2_run: tuple[Path, str]) -> None:
+    out, _ = zero2_run
+    last = records(out)[-1]
+    for key in ("loss", "lr", "grad_norm", "loss_scale", "tokens_per_s", "step_time_s", "peak_host_mem_gb"):
+        assert isinstance(last[key], float) and last[key] > 0, key
+    assert last["tokens_per_s"] == pytest.approx(12 * 64 / last["step_time_s"], rel=1e-6)
+    evals = records(out, "eval")
+    assert [e["step"] for e in evals] == [12, 24]
+    assert evals[-1]["val_ppl"] == pytest.approx(2.718281828 ** evals[-1]["val_loss"], rel=1e-6)
+    assert evals[0]["val_loss"] > evals[1]["val_loss"]
+
+
+def test_checkpoints_are_published_and_export_reloads_with_same_logits(zero2_run: tuple[Path, str]) -> None:
+    out, _ = zero2_run
+    ckpt = out / "checkpoints"
+    assert (ckpt / "latest").read_text() == "step00000024"
+    assert sorted(p.name for p in ckpt.iterdir() if p.is_dir()) == ["step00000012", "step00000024"]
+    export = records(out, "export")[-1]
+    assert export["ok"] and export["max_abs_logit_diff"] <= 1e-3 and export["dtype"] == "float16"
+    hf = out / "hf"
+    assert list(hf.glob("*.safetensors")) and not list(hf.glob("*.bin"))
+    model = AutoModelForCausalLM.from_pretrained(hf, dtype=torch.float32)
+    tok = AutoTokenizer.from_pretrained(hf)
+    assert AutoConfig.from_pretrained(hf).model_type == "deepseek_v3"
+    ids = tok("def main():\n    return 0\n", return_tensors="pt").input_ids
+    loss = model(input_ids=ids, labels=ids).loss.item()
+    assert loss < 6.0  # a random model would be near ln(512) = 6.24 or above
+
+
+def test_resume_continues_the_uninterrupted_curve(zero2_run: tuple[Path, str], tiny_data: Path, tmp_path: Path) -> None:
+    full, _ = zero2_run
+    out = tmp_path / "run"
+    half = STEPS // 2
+    launch(["--deepspeed_config", "ds_configs/zero2.json", *tiny_args(tiny_data, out, "--max-steps", str(half))])
+    proc = launch(
+        [
+            "--deepspeed_config",
+            "ds_configs/zero2.json",
+            *tiny_args(tiny_data, out, "--max-steps", str(STEPS), "--resume"),
+        ]
+    )
+    assert f"resumed from step {half}" in proc.stdout
+    resumed, reference = losses(out), losses(full)
+    for step in range(half + 1, STEPS + 1):
+        assert resumed[step] == pytest.approx(reference[step], rel=1e-5, abs=1e-5), step
+
+
+def test_one_rank_and_three_ranks_give_the_same_curve(tiny_data: Path, tmp_path: Path) -> None:
+    """Same global batch (6 sequences): 1 rank × accumulation 3 versus 3 ranks × accumulation 1, in fp32."""
+    common = ["--deepspeed_config", "ds_configs/zero2.json", "--ds", "fp16.enabled=false", "train_batch_size=auto"]
+    common += ["--max-steps", "8", "--eval-interval", "0", "--no-export", "--save-interval", "0", "--micro-batch", "2"]
+    one, three = tmp_path / "one", tmp_path / "three"
+    launch([*tiny_args(tiny_data, one, "--grad-accum", "3"), *common], nproc=1)
+    launch([*tiny_args(tiny_data, three, "--grad-accum", "1"), *common], nproc=3)
+    a, b = losses(one), losses(three)
+    assert len(a) == len(b) == 8
+    for step in a:
+        assert a[step] == pytest.approx(b[step], abs=2e-4), (step, a[step], b[step])
+    assert a[8] < a[1] - 0.5
+
+
+def test_local_pretrained_deepseek_v2_under_zero3_with_wandb_offline(tiny_data: Path, tmp_path: Path) -> None:
+    """--model <folder> goes through from_pretrained; ZeRO-3 bf16; wandb offline; secrets stay out of logs."""
+    from deepzero.presets import get_preset
+
+    tok = AutoTokenizer.from_pretrained(tiny_data / "tokenizer")
+    torch.manual_seed(0)
+    model = AutoModelForCausalLM.from_config(get_preset("tiny-deepseek-v2").config(vocab_size=len(tok)))
+    folder = tmp_path / "my-deepseek-v2"
+    model.save_pretrained(folder)
+    tok.save_pretrained(folder)
+    out = tmp_path / "run"
+    env = cpu_env(WANDB_MODE="offline", WANDB_API_KEY="sk-secret-never-logged")
+    args = tiny_args(tiny_data, out, "--max-steps", "6", "--report-to", "wandb")
+    args[args.index("tiny-deepseek-v3")] = str(folder)
+    proc = launch(["--deepspeed_config", "ds_configs/zero3.json", *args], env=env)
+    assert "ZeRO-3  bf16" in proc.stdout
+    assert list((out / "wandb").glob("offline-run-*")), "wandb offline run missing"
+    everything = proc.stdout + proc.stderr + (out / "run_config.json").read_text() + (out / "metrics.jsonl").read_text()
+    assert "sk-secret-never-logged" not in everything
+    assert records(out, "export")[-1]["ok"]
+    assert AutoConfig.from_pretrained(out / "hf").model_type == "deepseek_v2"
+
+
+def test_bad_preset_fails_fast_with_one_line_before_loading_the_model(tiny_data: Path, tmp_path: Path) -> None:
+    cfg = json.loads(Path("ds_configs/zero2.json").read_text())
+    cfg["zero_optimization"]["reduce_scater"] = True
+    bad = tmp_path / "bad.json"
+    bad.write_text(json.dumps(cfg))
+    proc = launch(
+        ["--deepspeed_config", str(bad), *tiny_args(tiny_data, tmp_path / "run", "--max-steps", "2")], check=False
+    )
+    assert proc.returncode != 0
+    errors = [line for line in proc.stderr.splitlines() if line.startswith("error:")]
+    assert len(errors) == 1, proc.stderr[-2000:]
+    assert str(bad) in errors[0] and "zero_optimization.reduce_scater" in errors[0] and "reduce_scatter" in errors[0]
+    assert "Traceback" not in proc.stderr and "model:" not in proc.stdout
