@@ -1,0 +1,35 @@
+"""Data pipeline: a local BPE tokenizer, input readers, and packed datasets with a resumable sampler.
+
+The build step is ``from deepzero.data.prepare import prepare`` (or ``python -m deepzero.data.prepare``); it is not
+imported here, so that running it with ``-m`` does not import the module twice.
+"""
+
+from deepzero.data.dataset import (
+    IGNORE_INDEX,
+    GlobalBatchSampler,
+    PackedDataset,
+    check_enough_rows,
+    eval_indices,
+    load_meta,
+    make_eval_loader,
+    make_train_loader,
+)
+from deepzero.data.sources import Corpus, read_corpus
+from deepzero.data.tokenizer import SPECIAL_TOKENS, stdlib_corpus, train_tokenizer, train_tokenizer_from_texts
+
+__all__ = [
+    "IGNORE_INDEX",
+    "SPECIAL_TOKENS",
+    "Corpus",
+    "GlobalBatchSampler",
+    "PackedDataset",
+    "check_enough_rows",
+    "eval_indices",
+    "load_meta",
+    "make_eval_loader",
+    "make_train_loader",
+    "read_corpus",
+    "stdlib_corpus",
+    "train_tokenizer",
+    "train_tokenizer_from_texts",
+]

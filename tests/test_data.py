@@ -1,0 +1,379 @@
+"""Data pipeline: tokenizer, sources, prepare (text and chat SFT), dataset, sampler, loaders, and the HF loss."""
+
+from __future__ import annotations
+
+import itertools
+import json
+import shutil
+import subprocess
+import sys
+from pathlib import Path
+
+import numpy as np
+import pytest
+import torch
+from transformers import AutoTokenizer
+
+from deepzero.data import (
+    IGNORE_INDEX,
+    GlobalBatchSampler,
+    PackedDataset,
+    check_enough_rows,
+    eval_indices,
+    load_meta,
+    make_eval_loader,
+    make_train_loader,
+    read_corpus,
+    stdlib_corpus,
+    train_tokenizer,
+)
+from deepzero.data.prepare import main, prepare, split_docs
+from deepzero.errors import UserError
+
+REPO = Path(__file__).resolve().parent.parent
+CHATS = [
+    [
+        {"role": "system", "content": "You are terse."},
+        {"role": "user", "content": f"What is {i} plus {i}?"},
+        {"role": "assistant", "content": f"It is {2 * i}."},
+    ]
+    if i % 2
+    else [
+        {"role": "user", "content": f"Name number {i}."},
+        {"role": "assistant", "content": f"Number {i}."},
+        {"role": "user", "content": "And the next one?"},
+        {"role": "assistant", "content": f"That is {i + 1}, my friend."},
+    ]
+    for i in range(12)
+]
+
+
+@pytest.fixture(scope="module")
+def corpus_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """A folder with copies of the first ~300 KB of the stdlib corpus."""
+    d = tmp_path_factory.mktemp("corpus")
+    for f in stdlib_corpus(max_bytes=300_000):
+        shutil.copy(f, d / f.name)
+    return d
+
+
+@pytest.fixture(scope="module")
+def tok_dir(corpus_dir: Path, tmp_path_factory: pytest.TempPathFactory) -> Path:
+    out = tmp_path_factory.mktemp("tok")
+    train_tokenizer(sorted(corpus_dir.iterdir()), vocab_size=512, out_dir=out)
+    return out
+
+
+@pytest.fixture(scope="module")
+def text_data(corpus_dir: Path, tok_dir: Path, tmp_path_factory: pytest.TempPathFactory) -> Path:
+    out = tmp_path_factory.mktemp("text") / "data"
+    prepare([str(corpus_dir)], out, tokenizer=str(tok_dir), seq_len=64, val_fraction=0.1)
+    return out
+
+
+@pytest.fixture(scope="module")
+def chat_jsonl(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    path = tmp_path_factory.mktemp("chat") / "chats.jsonl"
+    path.write_text("".join(json.dumps({"messages": c}) + "\n" for c in CHATS))
+    return path
+
+
+@pytest.fixture(scope="module")
+def chat_data(chat_jsonl: Path, tok_dir: Path) -> Path:
+    out = chat_jsonl.parent / "data"
+    prepare([str(chat_jsonl)], out, tokenizer=str(tok_dir), seq_len=96, val_fraction=0.25)
+    return out
+
+
+# --- tokenizer ---------------------------------------------------------------------------------------------------
+
+
+def test_stdlib_corpus_is_sorted_filtered_and_capped() -> None:
+    files = stdlib_corpus(max_bytes=200_000)
+    assert files == sorted(files) and files
+    assert sum(f.stat().st_size for f in files) <= 200_000
+    assert not any({"test", "tests", "site-packages", "idlelib"} & set(f.parts) for f in stdlib_corpus())
+
+
+def test_tokenizer_round_trip_reload_and_determinism(corpus_dir: Path, tok_dir: Path, tmp_path: Path) -> None:
+    tok = AutoTokenizer.from_pretrained(tok_dir)
+    assert len(tok) == 512
+    assert (tok.bos_token, tok.eos_token, tok.pad_token) == ("<|bos|>", "<|eos|>", "<|pad|>")
+    text = "def f(x):\n    return x + 1  # héllo ✓\n"
+    assert tok.decode(tok(text)["input_ids"]) == text
+    assert tok.convert_tokens_to_ids("<|assistant|>") != tok.unk_token_id
+    chat = [{"role": "user", "content": "hi"}]
+    prompt = tok.apply_chat_template(chat, tokenize=False, add_generation_prompt=True)
+    assert prompt == "<|bos|><|user|>\nhi<|eos|><|assistant|>\n"
+    again = train_tokenizer(sorted(corpus_dir.iterdir()), vocab_size=512, out_dir=tmp_path)
+    assert again.backend_tokenizer.to_str() == tok.backend_tokenizer.to_str()
+
+
+# --- sources -----------------------------------------------------------------------------------------------------
+
+
+def test_missing_file_and_empty_input_errors_name_the_path(tmp_path: Path) -> None:
+    missing = tmp_path / "nope.txt"
+    with pytest.raises(UserError, match=r"nope\.txt"):
+        read_corpus([str(missing)])
+    empty = tmp_path / "empty.txt"
+    empty.write_text("")
+    with pytest.raises(UserError, match="no non-empty documents"):
+        read_corpus([str(empty)])
+    with pytest.raises(UserError, match=r"--tokenizer \S+no-tok: no such tokenizer folder"):
+        prepare([str(empty)], tmp_path / "out", tokenizer=str(tmp_path / "no-tok"))
+    with pytest.raises(UserError, match=r"unsupported file type '\.csv'"):
+        (tmp_path / "a.csv").write_text("x")
+        read_corpus([str(tmp_path / "a.csv")])
+
+
+def test_bad_jsonl_errors_name_file_and_line(tmp_path: Path) -> None:
+    path = tmp_path / "bad.jsonl"
+    path.write_text('{"text": "fine"}\n{"body": "no text"}\n')
+    with pytest.raises(UserError, match=r"bad\.jsonl:2: .*no 'text' or 'messages' field"):
+        read_corpus([str(path)])
+    path.write_text('{"text": "fine"}\n\n{not json\n')
+    with pytest.raises(UserError, match=r"bad\.jsonl:3: line 3 is not valid JSON"):
+        read_corpus([str(path)])
+    path.write_text('{"messages": [{"role": "user"}]}\n')
+    with pytest.raises(UserError, match=r"bad\.jsonl:1: 'messages'"):
+        read_corpus([str(path)])
+    path.write_text('{"text": "a"}\n{"messages": [{"role": "user", "content": "b"}]}\n')
+    with pytest.raises(UserError, match="mix plain text and chat"):
+        read_corpus([str(path)])
+    with pytest.raises(UserError, match=r"bad\.jsonl:2: record has no 'text' field"):
+        read_corpus([str(path)], fmt="text")
+
+
+def test_parquet_goes_through_load_dataset(tmp_path: Path) -> None:
+    from datasets import Dataset
+
+    Dataset.from_dict({"text": ["one", "two"], "id": [1, 2]}).to_parquet(tmp_path / "t.parquet")
+    corpus = read_corpus([str(tmp_path / "t.parquet")])
+    assert (corpus.docs, corpus.format) == (["one", "two"], "text")
+    Dataset.from_dict({"messages": [CHATS[0], CHATS[1]]}).to_parquet(tmp_path / "c.parquet")
+    corpus = read_corpus([str(tmp_path / "c.parquet")])
+    assert (corpus.docs, corpus.format) == ([CHATS[0], CHATS[1]], "chat")
+    Dataset.from_dict({"body": ["x"]}).to_parquet(tmp_path / "b.parquet")
+    with pytest.raises(UserError, match=r"b\.parquet.*no 'text' or 'messages' column"):
+        read_corpus([str(tmp_path / "b.parquet")])
+
+
+# --- prepare: text -----------------------------------------------------------------------------------------------
+
+
+def test_prepare_text_packs_documents_with_eos(text_data: Path, corpus_dir: Path, tok_dir: Path) -> None:
+    meta = load_meta(text_data)
+    assert (meta["format"], meta["seq_len"], meta["dtype"], meta["vocab_size"]) == ("text", 64, "uint16", 512)
+    rows = np.fromfile(text_data / "train.bin", dtype=np.uint16).reshape(-1, 65)
+    assert rows.shape[0] == meta["n_rows"]["train"] > 0 and meta["n_rows"]["val"] > 0
+    assert not (text_data / "train.mask.bin").exists()
+    tok = AutoTokenizer.from_pretrained(tok_dir)
+    docs = split_docs(read_corpus([str(corpus_dir)]).docs, 0.1, seed=0)["train"]
+    stream = [t for d in docs for t in [*tok(d, add_special_tokens=False)["input_ids"], tok.eos_token_id]]
+    assert rows.reshape(-1).tolist() == stream[: rows.size]
+    ds = PackedDataset(text_data, "train")
+    item = ds[3]
+    assert item["input_ids"].tolist() == rows[3, :-1].tolist() and item["labels"].tolist() == rows[3, 1:].tolist()
+    assert item["shift_labels"] is item["labels"] and item["input_ids"].dtype == torch.long
+
+
+def test_prepare_is_idempotent_and_reruns_on_change(tmp_path: Path, corpus_dir: Path, capsys) -> None:
+    src = tmp_path / "src"
+    shutil.copytree(corpus_dir, src)
+    out = tmp_path / "out"
+    args = dict(tokenizer="train", vocab_size=512, seq_len=64, val_fraction=0.1)
+    first = prepare([str(src)], out, **args)
+    assert AutoTokenizer.from_pretrained(out / "tokenizer").eos_token == "<|eos|>"
+    assert first["tokenizer"] == str((out / "tokenizer").resolve())
+    stamp = (out / "train.bin").stat().st_mtime_ns
+    capsys.readouterr()
+    assert prepare([str(src)], out, **args) == first
+    assert "up to date" in capsys.readouterr().out and (out / "train.bin").stat().st_mtime_ns == stamp
+    assert prepare([str(src)], out, **{**args, "seq_len": 32})["seq_len"] == 32  # a setting changed
+    assert "up to date" not in capsys.readouterr().out
+    edited = sorted(src.iterdir())[0]
+    edited.write_text(edited.read_text() + "\n# edited\n")  # an input changed
+    assert prepare([str(src)], out, **{**args, "seq_len": 32})["fingerprint"] != first["fingerprint"]
+    assert "up to date" not in capsys.readouterr().out
+    (out / "val.bin").unlink()  # a damaged output is rebuilt
+    assert prepare([str(src)], out, **{**args, "seq_len": 32})["n_rows"]["val"] > 0
+    assert "up to date" not in capsys.readouterr().out
+    # reuse the tokenizer that lives inside the folder being replaced
+    meta = prepare([str(src)], out, tokenizer=str(out / "tokenizer"), seq_len=48, val_fraction=0.1)
+    assert meta["tokenizer"] == str((out / "tokenizer").resolve()) and (out / "tokenizer" / "tokenizer.json").exists()
+    assert not list(tmp_path.glob(".out.*"))  # temp folders cleaned up
+
+
+def test_prepare_refuses_to_replace_a_foreign_folder(tmp_path: Path, corpus_dir: Path, tok_dir: Path) -> None:
+    (tmp_path / "keep.txt").write_text("precious")
+    with pytest.raises(UserError, match="not a prepared data folder"):
+        prepare([str(corpus_dir)], tmp_path, tokenizer=str(tok_dir), seq_len=64)
+
+
+def test_cli_main_and_standalone_wrapper(tmp_path: Path, corpus_dir: Path, tok_dir: Path, capsys) -> None:
+    out = tmp_path / "cli"
+    argv = ["--input", str(corpus_dir), "--tokenizer", str(tok_dir), "--seq-len", "64", "--out", str(out)]
+    assert main(argv) == 0 and load_meta(out)["n_rows"]["train"] > 0
+    capsys.readouterr()
+    assert main(["--input", str(tmp_path / "missing.txt"), "--out", str(out)]) == 2
+    err = capsys.readouterr().err.strip()
+    assert err.count("\n") == 0 and "missing.txt: no such file or folder. Fix:" in err
+    proc = subprocess.run(
+        [sys.executable, "data/prepare.py", *argv], cwd=REPO, capture_output=True, text=True, timeout=120
+    )
+    assert proc.returncode == 0 and "up to date" in proc.stdout, proc.stderr
+
+
+# --- prepare: chat -----------------------------------------------------------------------------------------------
+
+
+def _pieces(tok, chats: list) -> list[tuple[str, bool]]:
+    """Expected rendering of conversations as (text, is_target) runs: only assistant text and its <|eos|>."""
+    pieces: list[tuple[str, bool]] = []
+    for chat in chats:
+        prompt = "<|bos|>"
+        for m in chat:
+            if m["role"] == "assistant":
+                pieces += [(prompt + "<|assistant|>\n", False), (m["content"] + "<|eos|>", True)]
+                prompt = ""
+            else:
+                prompt += f"<|{m['role']}|>\n{m['content']}<|eos|>"
+    return pieces
+
+
+def test_chat_labels_only_assistant_tokens(chat_data: Path, tok_dir: Path) -> None:
+    meta = load_meta(chat_data)
+    assert meta["format"] == "chat" and meta["n_docs"] == {"train": 9, "val": 3}
+    tok = AutoTokenizer.from_pretrained(tok_dir)
+    for split in ("train", "val"):
+        ds = PackedDataset(chat_data, split)
+        raw = np.fromfile(chat_data / f"{split}.bin", dtype=np.uint16).reshape(len(ds), 97)
+        got: list[tuple[str, bool]] = []
+        for i in range(len(ds)):
+            labels = ds[i]["labels"]
+            trained = labels != IGNORE_INDEX
+            assert (labels[trained] == torch.from_numpy(raw[i, 1:].astype(np.int64))[trained]).all()
+            is_target = [False, *trained.tolist()]
+            keep = [j for j, t in enumerate(raw[i]) if t != tok.pad_token_id]
+            assert not any(is_target[j] for j in range(97) if j not in keep)  # padding is never trained
+            for flag, run in itertools.groupby(keep, key=lambda j: is_target[j]):
+                got.append((tok.decode(raw[i, list(run)]), flag))
+        chats = split_docs(CHATS, 0.25, seed=0)[split]
+        assert got == _pieces(tok, chats)
+        answers = [m["content"] + "<|eos|>" for c in chats for m in c if m["role"] == "assistant"]
+        assert [text for text, flag in got if flag] == answers
+
+
+def test_chat_without_template_names_the_tokenizer(tmp_path: Path, tok_dir: Path, chat_jsonl: Path) -> None:
+    plain = tmp_path / "plain-tok"
+    shutil.copytree(tok_dir, plain)
+    (plain / "chat_template.jinja").unlink()
+    assert AutoTokenizer.from_pretrained(plain).chat_template is None
+    with pytest.raises(UserError, match=rf"--tokenizer {plain}: has no chat_template.*Fix: use --tokenizer train"):
+        prepare([str(chat_jsonl)], tmp_path / "out", tokenizer=str(plain), seq_len=96)
+
+
+# --- dataset, sampler, loaders -----------------------------------------------------------------------------------
+
+
+def test_load_meta_errors(tmp_path: Path, text_data: Path) -> None:
+    with pytest.raises(UserError, match=r"no such data folder.*run python data/prepare\.py"):
+        load_meta(tmp_path / "none")
+    with pytest.raises(UserError, match=r"meta\.json: missing"):
+        load_meta(tmp_path)
+    broken = tmp_path / "broken"
+    shutil.copytree(text_data, broken)
+    with (broken / "val.bin").open("r+b") as fh:
+        fh.truncate(10)
+    with pytest.raises(UserError, match=r"val\.bin: expected \d+ bytes"):
+        PackedDataset(broken, "val")
+    with pytest.raises(UserError, match="fewer than one global batch of 24"):
+        check_enough_rows(10, 24, "train")
+
+
+def _flat(lists: list[list[int]]) -> list[int]:
+    return list(itertools.chain.from_iterable(lists))
+
+
+def _micro_batches(n_rows: int, micro: int, ga: int, world: int, steps: int, start: int = 0) -> list[list[list[int]]]:
+    """For each optimizer step from ``start``: the micro-batches of every rank, in rank-major order."""
+    its = [iter(GlobalBatchSampler(n_rows, micro, ga, r, world, seed=7, start_step=start)) for r in range(world)]
+    per_rank = [list(itertools.islice(it, steps * ga)) for it in its]
+    return [[mb for r in range(world) for mb in per_rank[r][s * ga : (s + 1) * ga]] for s in range(steps)]
+
+
+def test_sampler_global_batches_do_not_depend_on_world_size() -> None:
+    n, steps = 50, 20  # G = 6: 8 steps per epoch, 2 rows dropped per epoch, 20 steps span 3 epochs
+    one = _micro_batches(n, 2, 3, world=1, steps=steps)
+    three = _micro_batches(n, 2, 1, world=3, steps=steps)
+    sampler = GlobalBatchSampler(n, 2, 3, 0, 1, seed=7)
+    assert sampler.steps_per_epoch == 8
+    for s in range(steps):
+        flat_one, flat_three = _flat(one[s]), _flat(three[s])
+        assert sorted(flat_one) == sorted(flat_three) == sorted(sampler.global_batch_indices(s))
+    for epoch in range(2):
+        seen = [i for s in range(epoch * 8, epoch * 8 + 8) for i in _flat(three[s])]
+        assert len(seen) == len(set(seen)) == 48
+    assert sorted(_flat(one[0])) != sorted(_flat(one[8]))  # a new epoch reshuffles
+
+
+def test_sampler_resume_matches_uninterrupted_run() -> None:
+    full = list(itertools.islice(iter(GlobalBatchSampler(40, 2, 2, 1, 2, seed=3)), 30))
+    for k in (0, 3, 9, 12):
+        resumed = list(itertools.islice(iter(GlobalBatchSampler(40, 2, 2, 1, 2, seed=3, start_step=k)), 30 - 2 * k))
+        assert resumed == full[2 * k :]
+
+
+def test_loaders(text_data: Path) -> None:
+    ds = PackedDataset(text_data, "train")
+    loader = make_train_loader(ds, GlobalBatchSampler(len(ds), 4, 2, 0, 1, seed=0))
+    batch = next(iter(loader))
+    assert batch["input_ids"].shape == batch["shift_labels"].shape == (4, 64)
+    val = PackedDataset(text_data, "val")
+    shards = [eval_indices(len(val), r, 3) for r in range(3)]
+    assert sorted(_flat(shards)) == list(range(len(val)))
+    assert sum(len(s) for s in (eval_indices(len(val), r, 3, max_rows=5) for r in range(3))) == min(5, len(val))
+    rows = [b["input_ids"] for b in make_eval_loader(val, micro_batch=4, rank=1, world=3)]
+    assert torch.equal(torch.cat(rows), torch.stack([val[i]["input_ids"] for i in shards[1]]))
+
+
+# --- the loss contract with Transformers ---------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("data", ["text_data", "chat_data"])
+def test_shift_labels_give_next_token_loss_in_deepseek_v3(data: str, request: pytest.FixtureRequest) -> None:
+    from transformers import DeepseekV3Config, DeepseekV3ForCausalLM
+
+    ds = PackedDataset(request.getfixturevalue(data), "train")
+    config = DeepseekV3Config(
+        vocab_size=512,
+        hidden_size=32,
+        intermediate_size=64,
+        moe_intermediate_size=16,
+        num_hidden_layers=2,
+        num_attention_heads=2,
+        num_key_value_heads=2,
+        n_routed_experts=4,
+        n_shared_experts=1,
+        num_experts_per_tok=2,
+        n_group=1,
+        topk_group=1,
+        first_k_dense_replace=1,
+        q_lora_rank=16,
+        kv_lora_rank=16,
+        qk_rope_head_dim=8,
+        qk_nope_head_dim=8,
+        v_head_dim=8,
+        max_position_embeddings=128,
+    )
+    torch.manual_seed(0)
+    model = DeepseekV3ForCausalLM(config).eval()
+    batch = torch.utils.data.default_collate([ds[0], ds[1]])
+    with torch.no_grad():
+        out = model(**batch)
+        targets = batch["shift_labels"]
+        manual = torch.nn.functional.cross_entropy(out.logits.float().flatten(0, 1), targets.flatten())
+        assert torch.allclose(out.loss, manual, atol=1e-6)
+        assert model(input_ids=batch["input_ids"], shift_labels=targets).loss is None  # labels switch the loss on
+        assert not torch.allclose(model(input_ids=batch["input_ids"], labels=targets).loss, manual)  # shifted twice
