@@ -1,0 +1,333 @@
+"""Pipeline parallelism on DeepSpeed's ``PipelineModule`` for Hugging Face decoders (DeepSeek-V2/V3, Llama, Qwen2).
+
+The causal LM becomes a flat list of stages that pass one tensor, the hidden states ``[B, S, H]``, between ranks::
+
+    EmbeddingStage(input_ids) → DecoderStage × num_hidden_layers → HeadStage → logits;  loss_fn(logits, labels)
+
+Each ``DecoderStage`` rebuilds what ``XxxModel.forward`` shares across layers: ``position_ids = arange(S)``, the
+rotary ``(cos, sin)`` from its own reference to ``model.model.rotary_emb`` (kept in fp32, outside the engine's
+bf16/fp16 cast, like ``from_pretrained`` keeps it) and the causal mask from ``create_causal_mask`` (``None`` for sdpa,
+which then runs with ``is_causal``; a 4-D mask for eager). Packed rows carry no padding, so nothing else is needed.
+
+The stages hold the HF modules themselves, so every parameter keeps a 1:1 HF name: ``build_name_map`` records
+``"<layer index>.<name in stage>" → "<HF name>"`` before ``deepspeed.initialize`` and ``export_pipeline_hf`` uses it
+to write a ``save_pretrained`` folder from the stage-sharded engine.
+
+Data: ``engine.train_batch(it)`` pulls ``gradient_accumulation_steps`` items ``(input_ids, labels)`` per call, but only
+the first stage (inputs) and the last stage (labels) read them. Give every rank the same iterator over the same
+micro-batches (sampler rank = data-parallel id, world = data-parallel size); middle stages never advance it.
+
+Memory: every rank builds the whole HF model on the host once; ``PipelineModule`` moves only its own stages to the
+device and only those are trained. Models that do not fit in host memory per rank need per-stage construction.
+"""
+
+from __future__ import annotations
+
+import os
+import shutil
+from collections.abc import Iterable, Iterator
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import torch
+import torch.distributed as dist
+import torch.nn.functional as F
+from torch import nn
+
+from deepzero.data import IGNORE_INDEX
+from deepzero.errors import UserError
+from deepzero.export import ExportReport
+
+PARTITION_METHODS = ("parameters", "uniform")
+
+
+@dataclass(frozen=True)
+class PipelineSettings:
+    """The ``"pipeline"`` section of a ds_config: stage count, how layers are split, activation checkpointing."""
+
+    stages: int
+    partition: str = "parameters"
+    """``parameters`` balances trainable parameter counts; ``uniform`` balances layer counts;
+    ``type:DecoderStage`` balances decoder layers only."""
+    activation_checkpoint_interval: int = 0
+    """Recompute every N stage modules in backward (0: off)."""
+
+    @classmethod
+    def from_ds(cls, ds: dict[str, Any], where: str = "ds_config") -> PipelineSettings:
+        """Read and check ``ds["pipeline"]``; one UserError listing every problem."""
+        section = ds.get("pipeline")
+        if not isinstance(section, dict):
+            raise UserError(where, 'no "pipeline" section', 'add "pipeline": {"stages": 3, "partition": "parameters"}')
+        stages, partition = section.get("stages"), section.get("partition", "parameters")
+        interval = section.get("activation_checkpoint_interval", 0)
+        problems = []
+        if not isinstance(stages, int) or isinstance(stages, bool) or stages < 1:
+            problems.append(f"'pipeline.stages' must be a positive integer, got {stages!r}")
+        if not (partition in PARTITION_METHODS or str(partition).startswith("type:")):
+            problems.append(f"'pipeline.partition' {partition!r} is not one of {[*PARTITION_METHODS, 'type:<Class>']}")
+        if not isinstance(interval, int) or isinstance(interval, bool) or interval < 0:
+            problems.append(f"'pipeline.activation_checkpoint_interval' must be an integer >= 0, got {interval!r}")
+        zero = int(ds.get("zero_optimization", {}).get("stage", 0))
+        if zero > 1:
+            problems.append(f"ZeRO stage {zero} cannot be combined with pipeline parallelism (DeepSpeed allows 0 or 1)")
+        if problems:
+            raise UserError(where, "; ".join(problems), "edit the file or override with --ds pipeline.stages=3")
+        return cls(stages, str(partition), interval)
+
+    def dp_size(self, world: int) -> int:
+        """Data-parallel size = world / stages; pass it to ``dsconfig.resolve(dp_size=...)``. Raises if uneven."""
+        if world % self.stages:
+            raise UserError(
+                "pipeline.stages",
+                f"{self.stages} stages do not divide the world size {world}",
+                f"launch a multiple of {self.stages} ranks or set pipeline.stages to a divisor of {world}",
+            )
+        return world // self.stages
+
+    def check_accum(self, accum: int) -> None:
+        """Each optimizer step is one pipeline schedule of ``accum`` micro-batches; fewer than ``stages`` idles ranks."""
+        if accum < self.stages:
+            raise UserError(
+                "gradient_accumulation_steps",
+                f"{accum} micro-batches per step cannot fill a {self.stages}-stage pipeline",
+                f"set gradient_accumulation_steps to {self.stages} or more (more micro-batches → smaller bubble)",
+            )
+
+
+class EmbeddingStage(nn.Module):
+    """First stage: token ids ``[B, S]`` → hidden states ``[B, S, H]``."""
+
+    def __init__(self, embed_tokens: nn.Module) -> None:
+        super().__init__()
+        self.embed_tokens = embed_tokens
+
+    def forward(self, input_ids: torch.Tensor) -> torch.Tensor:
+        return self.embed_tokens(input_ids)
+
+
+class DecoderStage(nn.Module):
+    """One HF decoder layer; computes its own positions, rotary tables and causal mask from the hidden states."""
+
+    def __init__(
+        self, layer: nn.Module, rotary_emb: nn.Module, config: Any, layer_type: str = "full_attention"
+    ) -> None:
+        super().__init__()
+        self.layer = layer
+        self._rotary = (rotary_emb,)  # a tuple, not a submodule: shared, never cast to bf16, never saved
+        self._config = config
+        self._sliding = layer_type == "sliding_attention"
+
+    def forward(self, hidden: torch.Tensor) -> torch.Tensor:
+        from transformers.masking_utils import create_causal_mask, create_sliding_window_causal_mask
+
+        rotary = self._rotary[0]
+        if rotary.inv_freq.device != hidden.device:
+            rotary.to(hidden.device)  # moves buffers only; their dtype (fp32) is kept
+        position_ids = torch.arange(hidden.shape[1], device=hidden.device).unsqueeze(0)
+        make_mask = create_sliding_window_causal_mask if self._sliding else create_causal_mask
+        mask = make_mask(
+            config=self._config, inputs_embeds=hidden, attention_mask=None, cache=None, position_ids=position_ids
+        )
+        out = self.layer(
+            hidden, attention_mask=mask, position_ids=position_ids, position_embeddings=rotary(hidden, position_ids)
+        )
+        return out[0] if isinstance(out, tuple) else out
+
+
+class HeadStage(nn.Module):
+    """Last stage: final norm and LM head → logits ``[B, S, V]``."""
+
+    def __init__(self, norm: nn.Module, lm_head: nn.Module) -> None:
+        super().__init__()
+        self.norm = norm
+        self.lm_head = lm_head
+
+    def forward(self, hidden: torch.Tensor) -> torch.Tensor:
+        return self.lm_head(self.norm(hidden))
+
+
+def causal_lm_loss(logits: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
+    """Mean cross-entropy over non-ignored targets; ``labels`` are already shifted (HF's ``shift_labels`` path)."""
+    return F.cross_entropy(
+        logits.float().reshape(-1, logits.shape[-1]), labels.reshape(-1).to(logits.device), ignore_index=IGNORE_INDEX
+    )
+
+
+def to_pipeline_layers(model: nn.Module) -> list[nn.Module]:
+    """``[EmbeddingStage, DecoderStage × L, HeadStage]`` over the model's own modules (no copies)."""
+    base = getattr(model, "model", None)
+    missing = [a for a in ("embed_tokens", "layers", "norm", "rotary_emb") if not hasattr(base, a)]
+    if missing or not hasattr(model, "lm_head"):
+        raise UserError(
+            type(model).__name__,
+            f"not a decoder with model.{{embed_tokens,layers,norm,rotary_emb}} and lm_head (missing {missing})",
+            "use a Llama/Qwen2/DeepSeek-style *ForCausalLM or train it with a ZeRO config",
+        )
+    if model.lm_head.weight is base.embed_tokens.weight:
+        raise UserError(
+            type(model).__name__,
+            "tied input/output embeddings are not supported by the pipeline stages (they live on different ranks)",
+            "train this model with a ZeRO config (ds_configs/zero2*.json)",
+        )
+    config = model.config
+    types = list(getattr(config, "layer_types", None) or [])
+    types += ["full_attention"] * (len(base.layers) - len(types))
+    decoders = [DecoderStage(layer, base.rotary_emb, config, types[i]) for i, layer in enumerate(base.layers)]
+    return [EmbeddingStage(base.embed_tokens), *decoders, HeadStage(base.norm, model.lm_head)]
+
+
+def build_name_map(model: nn.Module, layers: list[nn.Module]) -> dict[str, str]:
+    """``"<index>.<stage key>" → HF state-dict key``, matched by tensor identity; call before deepspeed.initialize."""
+    hf_names = {id(t): name for name, t in model.state_dict(keep_vars=True).items()}
+    name_map: dict[str, str] = {}
+    for index, layer in enumerate(layers):
+        for key, t in layer.state_dict(keep_vars=True).items():
+            if id(t) not in hf_names:
+                raise RuntimeError(f"stage {index} ({type(layer).__name__}) holds {key}, which is not in the HF model")
+            name_map[f"{index}.{key}"] = hf_names[id(t)]
+    uncovered = set(hf_names.values()) - set(name_map.values())
+    if uncovered:
+        raise RuntimeError(f"pipeline stages miss HF weights: {sorted(uncovered)[:5]}")
+    return name_map
+
+
+def sequential_forward(layers: Iterable[nn.Module], input_ids: torch.Tensor) -> torch.Tensor:
+    """Run the stages one after another in this process (no DeepSpeed): logits for checks and debugging."""
+    x = input_ids
+    for layer in layers:
+        x = layer(x)
+    return x
+
+
+def build_pipeline_engine(
+    model: nn.Module,
+    ds_config: dict[str, Any],
+    num_stages: int,
+    partition_method: str = "parameters",
+    activation_checkpoint_interval: int = 0,
+) -> tuple[Any, dict[str, str]]:
+    """``deepspeed.initialize`` on a ``PipelineModule`` of the model's stages; returns ``(engine, name_map)``.
+
+    Call on every rank after ``deepspeed.init_distributed``; ``ds_config`` must be resolved with
+    ``dp_size = world // num_stages`` and may keep its ``"pipeline"`` section (DeepSpeed reads it).
+    """
+    import deepspeed
+    from deepspeed.pipe import PipelineModule
+
+    model.config.use_cache = False
+    layers = to_pipeline_layers(model)
+    name_map = build_name_map(model, layers)
+    module = PipelineModule(
+        layers=layers,
+        num_stages=num_stages,
+        loss_fn=causal_lm_loss,
+        partition_method=partition_method,
+        activation_checkpoint_interval=activation_checkpoint_interval,
+        checkpointable_layers=["DecoderStage"],
+    )
+    params = [p for p in module.parameters() if p.requires_grad]
+    engine, *_ = deepspeed.initialize(model=module, model_parameters=params, config=ds_config)
+    return engine, name_map
+
+
+def pipeline_batches(batches: Iterable[dict[str, torch.Tensor]]) -> Iterator[tuple[torch.Tensor, torch.Tensor]]:
+    """PackedDataset dict batches → the ``(inputs, labels)`` pairs ``train_batch``/``eval_batch`` expect."""
+    for batch in batches:
+        yield batch["input_ids"], batch["labels"]
+
+
+def train_step(engine: Any, data_iter: Iterator[tuple[torch.Tensor, torch.Tensor]]) -> float:
+    """One optimizer step over ``gradient_accumulation_steps`` micro-batches; the mean loss, same on every rank."""
+    return float(engine.train_batch(data_iter))
+
+
+@torch.no_grad()
+def eval_step(
+    engine: Any, data_iter: Iterator[tuple[torch.Tensor, torch.Tensor]], num_micro_batches: int | None = None
+) -> float:
+    """Mean loss over ``num_micro_batches`` (default: gradient_accumulation_steps) micro-batches, on every rank.
+
+    Eval micro-batches may be shaped differently from training ones (same shape within one call): the cached
+    activation shapes are reset before and after, on every rank.
+    """
+    engine.reset_activation_shape()
+    loss = engine.eval_batch(data_iter, num_micro_batches=num_micro_batches)
+    engine.reset_activation_shape()
+    return float(loss)
+
+
+def stage_hf_state_dict(engine: Any, name_map: dict[str, str]) -> dict[str, torch.Tensor]:
+    """This rank's stage weights on the CPU under their HF names (empty on data-parallel replicas other than 0)."""
+    if engine.grid.data_parallel_id != 0:
+        return {}
+    return {name_map[k]: v.detach().cpu().clone() for k, v in engine.module.state_dict().items()}
+
+
+def gather_hf_state_dict(engine: Any, name_map: dict[str, str]) -> dict[str, torch.Tensor] | None:
+    """The full HF state dict on rank 0 (None elsewhere); a collective, call it on every rank.
+
+    Uses ``gather_object`` of CPU tensors: fine for models of a few GB; larger ones should write per-stage shards.
+    """
+    local = stage_hf_state_dict(engine, name_map)
+    parts: list[dict[str, torch.Tensor]] | None = (
+        [{} for _ in range(dist.get_world_size())] if dist.get_rank() == 0 else None
+    )
+    dist.gather_object(local, parts, dst=0)
+    if parts is None:
+        return None
+    merged = {k: v for part in parts for k, v in part.items()}
+    missing = set(name_map.values()) - set(merged)
+    if missing:
+        raise RuntimeError(f"gathered pipeline state misses {sorted(missing)[:5]}")
+    return merged
+
+
+@torch.no_grad()
+def pipeline_logits(engine: Any, input_ids: torch.Tensor, labels: torch.Tensor) -> tuple[float, torch.Tensor]:
+    """Loss and fp32 CPU logits of one micro-batch through the pipeline, on every rank (a collective)."""
+    engine.reset_activation_shape()
+    loss, logits = engine.eval_batch(iter([(input_ids, labels)]), return_logits=True, num_micro_batches=1)
+    engine.reset_activation_shape()
+    box = [logits.float().cpu() if engine.is_last_stage() else None]
+    dist.broadcast_object_list(box, src=engine.grid.stage_to_global(engine.num_stages - 1))
+    return float(loss), box[0]
+
+
+@torch.no_grad()
+def export_pipeline_hf(
+    engine: Any,
+    name_map: dict[str, str],
+    model: nn.Module,
+    tokenizer: Any,
+    out_dir: Path,
+    probe: dict[str, torch.Tensor],
+) -> ExportReport | None:
+    """Gather the stages, ``save_pretrained`` on rank 0 (atomically), reload and compare logits with the engine.
+
+    ``model`` is the HF model the stages were built from (only its config and class are used). Every rank must
+    call this; rank 0 returns the report, the others None.
+    """
+    from transformers import AutoModelForCausalLM
+
+    _, engine_logits = pipeline_logits(engine, probe["input_ids"], probe["labels"])
+    state_dict = gather_hf_state_dict(engine, name_map)
+    report = None
+    if state_dict is not None:
+        out_dir = Path(out_dir)
+        tmp = out_dir.with_name(f"{out_dir.name}.partial")
+        shutil.rmtree(tmp, ignore_errors=True)
+        model.save_pretrained(tmp, state_dict=state_dict, safe_serialization=True)
+        if tokenizer is not None:
+            tokenizer.save_pretrained(tmp)
+        if out_dir.exists():
+            shutil.rmtree(out_dir)
+        os.replace(tmp, out_dir)
+        dtype = state_dict[name_map["0.embed_tokens.weight"]].dtype
+        attn = getattr(model.config, "_attn_implementation", None) or "sdpa"
+        reloaded = AutoModelForCausalLM.from_pretrained(out_dir, dtype=dtype, attn_implementation=attn).eval()
+        logits = reloaded(input_ids=probe["input_ids"].cpu()).logits.float()
+        diff = (logits - engine_logits).abs().max().item()
+        report = ExportReport(str(out_dir), diff, str(dtype).removeprefix("torch."))
+    dist.barrier()
+    return report
