@@ -38,6 +38,10 @@ test: setup
 lint: setup
 	$(BIN)/ruff check . && $(BIN)/ruff format --check .
 
+MODEL ?= deepseek-coder-1.3b
+plan: setup
+	$(BIN)/python -m deepzero.plan --model $(MODEL) --gpus $(NUM_GPUS) --gpu-mem 24 --cpu-mem 128 --seq-len 2048
+
 doctor: setup
 	$(BIN)/python -m deepzero.doctor --checkpoint-dir $(dir $(OUT)) $(DOCTOR_ARGS)
 

@@ -51,6 +51,10 @@ class TrainArgs:
     keep_last: int = field(
         default=2, **_help("Checkpoints kept; older ones are deleted after a newer one is complete.")
     )
+    max_nonfinite_steps: int = field(
+        default=5,
+        **_help("Stop when the loss is NaN/inf this many optimizer steps in a row (fp16 overflows included)."),
+    )
     resume: bool = field(default=False, **_help("Continue from the latest checkpoint in --out/checkpoints."))
     export: bool = field(
         default=True, **_help("Write Hugging Face safetensors to --out/hf at the end and verify them.")
@@ -74,7 +78,7 @@ class TrainArgs:
 
     def check(self) -> None:
         """Cheap checks that need no model or data."""
-        for name in ("max_steps", "log_interval", "eval_batches", "keep_last"):
+        for name in ("max_steps", "log_interval", "eval_batches", "keep_last", "max_nonfinite_steps"):
             if getattr(self, name) < 1:
                 raise UserError(f"--{name.replace('_', '-')}", "must be at least 1", "pass a positive integer")
         for name in ("eval_interval", "save_interval"):

@@ -20,15 +20,63 @@ from deepzero.errors import UserError
 # Top-level keys DeepSpeed understands (https://www.deepspeed.ai/docs/config-json/). Keys starting with "_"
 # are comments (e.g. "_launch") and are removed before the config reaches DeepSpeed.
 KNOWN_TOP_LEVEL = frozenset(
-    """train_batch_size train_micro_batch_size_per_gpu gradient_accumulation_steps optimizer scheduler fp16 bf16
-    bfloat16 amp torch_autocast gradient_clipping prescale_gradients gradient_predivide_factor sparse_gradients
-    zero_optimization zero_allow_untested_optimizer zero_force_ds_cpu_optimizer activation_checkpointing
-    flops_profiler steps_per_print wall_clock_breakdown dump_state memory_breakdown tensorboard wandb csv_monitor
-    comet comms_logger autotuning elasticity data_efficiency curriculum_learning data_types checkpoint aio pipeline
-    communication_data_type seq_parallel_communication_data_type compression_training sparse_attention
-    disable_allgather dataloader_drop_last eigenvalue progressive_layer_drop quantize_training nebula hybrid_engine
-    compile timers use_data_before_expert_parallelism weight_quantization tensor_parallel sequence_parallel_size
-    graph_harvesting zenflow""".split()
+    [
+        "train_batch_size",
+        "train_micro_batch_size_per_gpu",
+        "gradient_accumulation_steps",
+        "optimizer",
+        "scheduler",
+        "fp16",
+        "bf16",
+        "bfloat16",
+        "amp",
+        "torch_autocast",
+        "gradient_clipping",
+        "prescale_gradients",
+        "gradient_predivide_factor",
+        "sparse_gradients",
+        "zero_optimization",
+        "zero_allow_untested_optimizer",
+        "zero_force_ds_cpu_optimizer",
+        "activation_checkpointing",
+        "flops_profiler",
+        "steps_per_print",
+        "wall_clock_breakdown",
+        "dump_state",
+        "memory_breakdown",
+        "tensorboard",
+        "wandb",
+        "csv_monitor",
+        "comet",
+        "comms_logger",
+        "autotuning",
+        "elasticity",
+        "data_efficiency",
+        "curriculum_learning",
+        "data_types",
+        "checkpoint",
+        "aio",
+        "pipeline",
+        "communication_data_type",
+        "seq_parallel_communication_data_type",
+        "compression_training",
+        "sparse_attention",
+        "disable_allgather",
+        "dataloader_drop_last",
+        "eigenvalue",
+        "progressive_layer_drop",
+        "quantize_training",
+        "nebula",
+        "hybrid_engine",
+        "compile",
+        "timers",
+        "use_data_before_expert_parallelism",
+        "weight_quantization",
+        "tensor_parallel",
+        "sequence_parallel_size",
+        "graph_harvesting",
+        "zenflow",
+    ]
 )
 
 OPTIMIZER_PARAMS = {

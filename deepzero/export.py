@@ -2,8 +2,10 @@
 
 from __future__ import annotations
 
+import contextlib
 import os
 import shutil
+from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -42,23 +44,44 @@ def export_hf(engine: Any, tokenizer: Any, out_dir: Path, probe: dict[str, torch
     state_dict = consolidated_state_dict(engine)
     report = None
     if engine.global_rank == 0:
-        tmp = out_dir.with_name(f"{out_dir.name}.partial")
-        shutil.rmtree(tmp, ignore_errors=True)
-        module = engine.module
-        module.save_pretrained(tmp, state_dict=state_dict, safe_serialization=True)
-        tokenizer.save_pretrained(tmp)
-        if out_dir.exists():
-            shutil.rmtree(out_dir)
-        os.replace(tmp, out_dir)
-        dtype = next(iter(state_dict.values())).dtype
-        reloaded = AutoModelForCausalLM.from_pretrained(out_dir, dtype=dtype, attn_implementation=_attn(module))
-        reloaded.eval()
-        logits = reloaded(input_ids=probe["input_ids"].cpu()).logits.float()
-        diff = (logits - engine_logits).abs().max().item()
-        report = ExportReport(str(out_dir), diff, str(dtype).removeprefix("torch."))
+        with _zero3_init_off():
+            report = _write_and_verify(engine, tokenizer, out_dir, state_dict, probe, engine_logits)
     if dist.is_initialized():
         dist.barrier()
     return report
+
+
+@contextlib.contextmanager
+def _zero3_init_off() -> Iterator[None]:
+    """Rank 0 alone saves and reloads: Transformers must not wrap that in zero.Init (a collective → deadlock)."""
+    from transformers.integrations import deepspeed as hf_deepspeed
+
+    saved = hf_deepspeed._hf_deepspeed_config_weak_ref
+    hf_deepspeed.unset_hf_deepspeed_config()
+    try:
+        yield
+    finally:
+        hf_deepspeed._hf_deepspeed_config_weak_ref = saved
+
+
+def _write_and_verify(
+    engine: Any, tokenizer: Any, out_dir: Path, state_dict: dict, probe: dict, engine_logits: torch.Tensor
+) -> ExportReport:
+    """Save on rank 0 under a temporary name, publish with a rename, reload and compare logits."""
+    tmp = out_dir.with_name(f"{out_dir.name}.partial")
+    shutil.rmtree(tmp, ignore_errors=True)
+    module = engine.module
+    module.save_pretrained(tmp, state_dict=state_dict, safe_serialization=True)
+    tokenizer.save_pretrained(tmp)
+    if out_dir.exists():
+        shutil.rmtree(out_dir)
+    os.replace(tmp, out_dir)
+    dtype = next(iter(state_dict.values())).dtype
+    reloaded = AutoModelForCausalLM.from_pretrained(out_dir, dtype=dtype, attn_implementation=_attn(module))
+    reloaded.eval()
+    logits = reloaded(input_ids=probe["input_ids"].cpu()).logits.float()
+    diff = (logits - engine_logits).abs().max().item()
+    return ExportReport(str(out_dir), diff, str(dtype).removeprefix("torch."))
 
 
 def _attn(module: torch.nn.Module) -> str:

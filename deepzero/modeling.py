@@ -13,6 +13,8 @@ from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer, Pretra
 from deepzero.errors import UserError
 from deepzero.presets import PRESETS
 
+TORCH_DTYPES = {"fp32": torch.float32, "fp16": torch.float16, "bf16": torch.bfloat16}
+
 
 @dataclass(frozen=True)
 class ModelSource:
@@ -83,10 +85,12 @@ def build_model(
     config: PretrainedConfig,
     *,
     vocab_size: int | None = None,
+    dtype: torch.dtype = torch.float32,
     attn_implementation: str = "sdpa",
     trust_remote_code: bool = False,
 ) -> torch.nn.Module:
-    """Instantiate the model in fp32 (DeepSpeed casts to fp16/bf16). For ZeRO-3 call ``zero3_context`` first."""
+    """Random-init presets are built in fp32 (DeepSpeed casts them); pretrained weights load in the training
+    dtype, which halves host RAM per rank against fp32. For ZeRO-3 call ``zero3_context`` first."""
     kwargs: dict[str, Any] = {"attn_implementation": attn_implementation, "trust_remote_code": trust_remote_code}
     if source.random_init:
         if vocab_size is not None:
@@ -94,7 +98,7 @@ def build_model(
         return AutoModelForCausalLM.from_config(config, dtype=torch.float32, **kwargs)
     try:
         model = AutoModelForCausalLM.from_pretrained(
-            source.pretrained, config=config, dtype=torch.float32, use_safetensors=_has_safetensors(source), **kwargs
+            source.pretrained, config=config, dtype=dtype, use_safetensors=_has_safetensors(source), **kwargs
         )
     except OSError as err:
         raise UserError(f"--model {source.spec}", f"cannot load weights ({_first_line(err)})", _offline_fix()) from None

@@ -23,6 +23,16 @@ from deepzero.errors import UserError
 from deepzero.export import export_hf
 from deepzero.flops import count_params, flops_per_token, peak_tflops
 from deepzero.metrics import MetricsSink, peak_memory_gb, redact
+from deepzero.pipeline import (
+    PipelineSettings,
+    build_pipeline_engine,
+    eval_step,
+    export_pipeline_hf,
+    pipeline_batches,
+    train_step,
+)
+from deepzero.plan import check_fit
+from deepzero.preemption import StopRequest
 from deepzero.presets import PRESETS
 
 
@@ -33,6 +43,10 @@ class Run:
     args: TrainArgs
     cfg: dsconfig.ResolvedConfig
     engine: Any
+    model: torch.nn.Module
+    """The full HF model (under a pipeline, the engine's module holds only this rank's stages)."""
+    pipe: PipelineSettings | None
+    name_map: dict[str, str] | None
     tokenizer: Any
     train_data: PackedDataset
     val_data: PackedDataset | None
@@ -44,6 +58,8 @@ class Run:
     peak_tflops: float | None
     rank: int = 0
     world: int = 1
+    dp_rank: int = 0
+    dp_size: int = 1
     device: str = "cpu"
     history: list[dict[str, Any]] = field(default_factory=list)
 
@@ -63,6 +79,10 @@ def main(argv: list[str] | None = None) -> int:
         run = setup(args)
         fit(run)
         finish(run)
+        return 0
+    except Preempted as stop:
+        if dist.is_initialized() and dist.get_rank() == 0:
+            print(f"preempted: {stop}", flush=True)
         return 0
     except UserError as err:
         if os.environ.get("RANK", "0") == "0" or dist.is_initialized():
@@ -84,26 +104,44 @@ def init_distributed() -> tuple[int, int]:
     return dist.get_rank(), dist.get_world_size()
 
 
-def setup(args: TrainArgs) -> Run:
-    """Validate everything cheap first (preset, data, model config), then build the engine."""
-    world = int(os.environ.get("WORLD_SIZE", "1"))
+@dataclass(frozen=True)
+class RunPlan:
+    """Every decision that needs no weights and no process group: made first, so bad input fails in seconds."""
+
+    source: modeling.ModelSource
+    config: Any
+    cfg: dsconfig.ResolvedConfig
+    pipe: PipelineSettings | None
+    lr_source: str
+    seq_len: int
+    train_data: PackedDataset
+    val_data: PackedDataset | None
+    tokenizer: Any
+
+
+def plan_run(args: TrainArgs, world: int) -> RunPlan:
+    """Resolve the preset against the real world size, check data and model against each other."""
     meta = load_meta(args.data)
     source = modeling.resolve_model(args.model)
     config = modeling.load_config(source, args.trust_remote_code)
     preset = PRESETS.get(args.model)
-    from_preset = preset is not None and preset.hub_id is None and args.lr is None
+    from_scratch = preset is not None and preset.hub_id is None and args.lr is None
     hints = dsconfig.TrainingHints(
         max_steps=args.max_steps,
-        lr=preset.pretrain_lr if from_preset else args.lr,
-        warmup_steps=preset.pretrain_warmup_steps if from_preset and args.warmup_steps is None else args.warmup_steps,
+        lr=preset.pretrain_lr if from_scratch else args.lr,
+        warmup_steps=preset.pretrain_warmup_steps if from_scratch and args.warmup_steps is None else args.warmup_steps,
         micro_batch=args.micro_batch,
         grad_accum=args.grad_accum,
         hidden_size=config.hidden_size,
     )
-    cfg = dsconfig.resolve(args.deepspeed_config, dp_size=world, hints=hints, overrides=args.ds)
+    pipe = pipeline_settings(args)
+    dp_size = pipe.dp_size(world) if pipe else world
+    cfg = dsconfig.resolve(args.deepspeed_config, dp_size=dp_size, hints=hints, overrides=args.ds)
+    if pipe:
+        pipe.check_accum(cfg.batch.accum)
     lr_source = (
         f"model preset {args.model} (random init, from scratch)"
-        if from_preset
+        if from_scratch
         else ("--lr" if args.lr is not None else args.deepspeed_config)
     )
     seq_len = int(meta["seq_len"])
@@ -116,59 +154,97 @@ def setup(args: TrainArgs) -> Run:
     train_data = PackedDataset(args.data, "train")
     check_enough_rows(len(train_data), cfg.batch.global_batch, "train")
     val_data = PackedDataset(args.data, "val") if meta["n_rows"].get("val") else None
+    if val_data is not None and args.eval_interval and len(val_data) < cfg.batch.micro * dp_size:
+        _warn(
+            f"{args.data}: val split has {len(val_data)} rows, fewer than one eval round (micro {cfg.batch.micro}"
+            f" × data-parallel {dp_size}); evaluation is off. Fix: prepare with a larger --val-fraction"
+        )
+        val_data = None
     tokenizer = modeling.load_tokenizer(args.tokenizer or meta.get("tokenizer") or args.model, args.trust_remote_code)
+    if warning := check_fit(config, cfg.ds, world, None, seq_len, gradient_checkpointing=args.gradient_checkpointing):
+        _warn(warning)
+    return RunPlan(source, config, cfg, pipe, lr_source, seq_len, train_data, val_data, tokenizer)
 
-    rank, world = init_distributed()
-    device = get_accelerator().current_device_name()
-    keep_alive = modeling.zero3_context(cfg.ds) if cfg.zero_stage == 3 else None
+
+def pipeline_settings(args: TrainArgs) -> PipelineSettings | None:
+    """The "pipeline" section of the preset (after --ds overrides), or None for ZeRO data parallel."""
+    raw = dsconfig.load_json(args.deepspeed_config)
+    dsconfig.apply_overrides(raw, list(args.ds), args.deepspeed_config)
+    return PipelineSettings.from_ds(raw, args.deepspeed_config) if "pipeline" in raw else None
+
+
+def build_engine(args: TrainArgs, plan: RunPlan) -> tuple[Any, torch.nn.Module, dict[str, str] | None]:
+    """Instantiate the model (partitioned at load under ZeRO-3) and wrap it in a DeepSpeed engine."""
+    keep_alive = modeling.zero3_context(plan.cfg.ds) if plan.cfg.zero_stage == 3 else None
     torch.manual_seed(args.seed)
     model = modeling.build_model(
-        source,
-        config,
-        vocab_size=len(tokenizer) if source.random_init else None,
+        plan.source,
+        plan.config,
+        vocab_size=len(plan.tokenizer),
+        dtype=modeling.TORCH_DTYPES[plan.cfg.precision],
         attn_implementation=args.attn_implementation,
         trust_remote_code=args.trust_remote_code,
     )
+    model.config.use_cache = False
+    if plan.pipe:
+        engine, name_map = build_pipeline_engine(
+            model, plan.cfg.ds, plan.pipe.stages, plan.pipe.partition, plan.pipe.activation_checkpoint_interval
+        )
+        return engine, model, name_map
     if args.gradient_checkpointing:
         model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
-    model.config.use_cache = False
     params = [p for p in model.parameters() if p.requires_grad]
-    engine, *_ = deepspeed.initialize(model=model, model_parameters=params, config=cfg.ds)
+    engine, *_ = deepspeed.initialize(model=model, model_parameters=params, config=plan.cfg.ds)
     engine._deepzero_keep_alive = keep_alive  # HfDeepSpeedConfig must live as long as the engine
+    return engine, model, None
 
-    state = checkpoint.TrainState()
-    if args.resume:
-        state = checkpoint.load(engine, args.checkpoint_dir)
-    run_config = {"args": vars(args), "deepspeed": cfg.ds, "env": redact(_launch_env())}
-    sink = MetricsSink(args.out_dir, args.report_to, run_config, enabled=rank == 0)
+
+def setup(args: TrainArgs) -> Run:
+    """Validate everything cheap first (preset, data, model config), then join the group and build the engine."""
+    plan = plan_run(args, int(os.environ.get("WORLD_SIZE", "1")))
+    rank, world = init_distributed()
+    engine, model, name_map = build_engine(args, plan)
+    state = checkpoint.load(engine, args.checkpoint_dir) if args.resume else checkpoint.TrainState()
+    run_config = {"args": vars(args), "deepspeed": plan.cfg.ds, "env": redact(_launch_env())}
+    grid = getattr(engine, "grid", None)
     run = Run(
         args=args,
-        cfg=cfg,
+        cfg=plan.cfg,
         engine=engine,
-        tokenizer=tokenizer,
-        train_data=train_data,
-        val_data=val_data,
+        model=model,
+        pipe=plan.pipe,
+        name_map=name_map,
+        tokenizer=plan.tokenizer,
+        train_data=plan.train_data,
+        val_data=plan.val_data,
         state=state,
-        sink=sink,
-        lr_source=lr_source,
-        seq_len=seq_len,
-        flops_per_token=flops_per_token(engine.module, seq_len),
+        sink=MetricsSink(args.out_dir, args.report_to, run_config, enabled=rank == 0),
+        lr_source=plan.lr_source,
+        seq_len=plan.seq_len,
+        flops_per_token=flops_per_token(model, plan.seq_len),
         peak_tflops=peak_tflops(args.peak_tflops),
         rank=rank,
         world=world,
-        device=device,
+        dp_rank=grid.data_parallel_id if plan.pipe else rank,
+        dp_size=grid.data_parallel_size if plan.pipe else world,
+        device=get_accelerator().current_device_name(),
     )
     if run.is_main:
         _write_run_config(run, run_config)
-        _print_header(run, source.spec)
+        _print_header(run, plan.source.spec)
     return run
+
+
+def _warn(message: str) -> None:
+    if os.environ.get("RANK", "0") == "0":
+        print(f"warning: {message}", file=sys.stderr, flush=True)
 
 
 def micro_batches(run: Run) -> Iterator[dict[str, torch.Tensor]]:
     """This rank's micro-batches, starting where the checkpoint left off."""
     b = run.cfg.batch
     sampler = GlobalBatchSampler(
-        len(run.train_data), b.micro, b.accum, run.rank, run.world, run.args.seed, start_step=run.state.step
+        len(run.train_data), b.micro, b.accum, run.dp_rank, run.dp_size, run.args.seed, start_step=run.state.step
     )
     loader = torch.utils.data.DataLoader(
         run.train_data, batch_sampler=sampler, num_workers=1, pin_memory=run.device.startswith("cuda")
@@ -180,18 +256,16 @@ def micro_batches(run: Run) -> Iterator[dict[str, torch.Tensor]]:
 def fit(run: Run) -> None:
     """The loop: accumulate micro-batches, step, and sync with the host only at log/eval/save points."""
     args, engine, batch = run.args, run.engine, run.cfg.batch
-    batches = micro_batches(run)
-    bar = tqdm(
-        total=args.max_steps, initial=run.state.step, disable=None if run.is_main else True, desc="train", unit="step"
-    )
+    batches = pipeline_batches(micro_batches(run)) if run.pipe else micro_batches(run)
+    stop = StopRequest()
+    bar = tqdm(total=args.max_steps, initial=run.state.step, disable=None if run.is_main else True, unit="step")
     loss_sum = torch.zeros((), device=run.device)
+    bad_streak = torch.zeros((), dtype=torch.int64, device=run.device)  # consecutive steps with non-finite loss
     window_start, window_steps = time.perf_counter(), 0
     while run.state.step < args.max_steps:
-        for _ in range(batch.accum):
-            loss = engine(**next(batches)).loss
-            engine.backward(loss)
-            engine.step()
-            loss_sum += loss.detach().float()
+        step_loss = optimizer_step(run, batches)
+        bad_streak = (bad_streak + 1) * (~torch.isfinite(step_loss))
+        loss_sum += step_loss
         run.state.step += 1
         run.state.samples_seen += batch.global_batch
         run.state.tokens_seen += run.tokens_per_step
@@ -205,13 +279,52 @@ def fit(run: Run) -> None:
                 loss=f"{record['loss']:.3f}", lr=f"{record['lr']:.2e}", tok_s=f"{record['tokens_per_s']:.0f}"
             )
             log(run, record, bar)
+            check_finite(run, bad_streak)
             loss_sum.zero_()
             window_start, window_steps = time.perf_counter(), 0
         if run.val_data is not None and args.eval_interval and step % args.eval_interval == 0:
             log(run, evaluate(run), bar)
-        if args.save_interval and step % args.save_interval == 0:
+        if args.save_interval and step % args.save_interval == 0 and check_finite(run, bad_streak):
             checkpoint.save(engine, args.checkpoint_dir, run.state, args.keep_last)
+        if stop.agreed():
+            bar.close()
+            checkpoint.save(engine, args.checkpoint_dir, run.state, args.keep_last)
+            raise Preempted(f"{stop.signal_name} at step {step}: checkpoint saved; continue with --resume")
     bar.close()
+    stop.restore()
+
+
+def optimizer_step(run: Run, batches: Iterator[Any]) -> torch.Tensor:
+    """One optimizer step over ``accum`` micro-batches; the sum of their losses, left on the device."""
+    engine, accum = run.engine, run.cfg.batch.accum
+    if run.pipe:  # DeepSpeed runs the whole 1F1B schedule and returns the mean micro-batch loss
+        return torch.tensor(train_step(engine, batches) * accum, device=run.device)
+    step_loss = torch.zeros((), device=run.device)
+    for _ in range(accum):
+        loss = engine(**next(batches)).loss
+        engine.backward(loss)
+        engine.step()
+        step_loss += loss.detach().float()
+    return step_loss
+
+
+class Preempted(Exception):
+    """A signal asked the job to stop; a checkpoint was saved. Exit code 0: the scheduler may requeue it."""
+
+
+def check_finite(run: Run, bad_streak: torch.Tensor) -> bool:
+    """True when the last step's loss was finite; stop the run after ``max_nonfinite_steps`` bad steps in a row."""
+    streak = int(_all_reduce_max(float(bad_streak.item())))
+    if streak >= run.args.max_nonfinite_steps:
+        latest = checkpoint.latest_tag(run.args.checkpoint_dir) or "none"
+        raise UserError(
+            f"step {run.state.step}",
+            f"loss was NaN/inf for {streak} steps in a row; stopped without saving (latest checkpoint: {latest})",
+            "lower --lr or raise --warmup-steps, try bf16 (ds_configs/zero2_bf16.json), check the data; then --resume",
+        )
+    if streak and run.is_main:
+        print(f"warning: step {run.state.step}: loss not finite for {streak} step(s); not saving a checkpoint now")
+    return streak == 0
 
 
 def train_record(run: Run, mean_loss: torch.Tensor, steps: int, elapsed: float) -> dict[str, Any]:
@@ -242,22 +355,24 @@ def train_record(run: Run, mean_loss: torch.Tensor, steps: int, elapsed: float) 
 
 @torch.no_grad()
 def evaluate(run: Run) -> dict[str, Any]:
-    """Mean loss and perplexity over ``eval_batches`` micro-batches per rank of the val split."""
-    engine = run.engine
-    engine.eval()
-    total = torch.zeros(2, device=run.device)
-    micro = run.cfg.batch.micro
-    per_round = micro * run.world  # equal batch counts on every rank: ZeRO-3 forwards are collective
+    """Mean loss and perplexity over ``eval_batches`` micro-batches per data-parallel rank of the val split."""
+    engine, micro = run.engine, run.cfg.batch.micro
+    per_round = micro * run.dp_size  # equal batch counts on every rank: ZeRO-3 and pipeline forwards are collective
     rows = min(run.args.eval_batches * per_round, len(run.val_data) // per_round * per_round)
-    loader = make_eval_loader(run.val_data, micro, run.rank, run.world, max_rows=rows)
-    for batch in loader:
-        batch = {k: v.to(run.device) for k, v in batch.items()}
-        total[0] += engine(**batch).loss.float()
-        total[1] += 1
-    engine.train()
-    if dist.is_initialized():
-        dist.all_reduce(total)
-    loss = (total[0] / total[1].clamp(min=1)).item()
+    loader = make_eval_loader(run.val_data, micro, run.dp_rank, run.dp_size, max_rows=rows)
+    batches = ({k: v.to(run.device) for k, v in batch.items()} for batch in loader)
+    if run.pipe:
+        loss = eval_step(engine, pipeline_batches(batches), num_micro_batches=rows // per_round)
+    else:
+        engine.eval()
+        total = torch.zeros(2, device=run.device)
+        for batch in batches:
+            total[0] += engine(**batch).loss.float()
+            total[1] += 1
+        engine.train()
+        if dist.is_initialized():
+            dist.all_reduce(total)
+        loss = (total[0] / total[1].clamp(min=1)).item()
     return {"kind": "eval", "step": run.state.step, "val_loss": loss, "val_ppl": math.exp(min(loss, 50.0))}
 
 
@@ -271,7 +386,10 @@ def finish(run: Run) -> None:
     if args.export:
         probe_loader = make_eval_loader(run.val_data or run.train_data, 1, 0, 1, 1)
         probe = {k: v.to(run.device) for k, v in next(iter(probe_loader)).items()}
-        report = export_hf(run.engine, run.tokenizer, args.out_dir / "hf", probe)
+        if run.pipe:
+            report = export_pipeline_hf(run.engine, run.name_map, run.model, run.tokenizer, args.out_dir / "hf", probe)
+        else:
+            report = export_hf(run.engine, run.tokenizer, args.out_dir / "hf", probe)
         if report is not None:
             log(run, {"kind": "export", "step": run.state.step, **vars(report), "ok": report.ok}, None)
             if not report.ok:
@@ -333,12 +451,13 @@ def _write_run_config(run: Run, run_config: dict[str, Any]) -> None:
 
 
 def _print_header(run: Run, model_name: str) -> None:
-    counts = count_params(run.engine.module)
+    counts = count_params(run.model)
     cfg = run.cfg
     lines = [
         f"model: {model_name}  params {counts.total / 1e6:,.2f}M (active {counts.active / 1e6:,.2f}M)",
         f"deepspeed: {cfg.path}  ZeRO-{cfg.zero_stage}  {cfg.precision}"
         + (f"  offload {'+'.join(cfg.offload)}" if cfg.offload else "")
+        + (f"  pipeline {run.pipe.stages} stages × data-parallel {run.dp_size}" if run.pipe else "")
         + f"  world {run.world} on {run.device.split(':')[0]} ({dist.get_backend()})",
         cfg.batch.describe(run.seq_len),
         f"lr: peak {cfg.ds['optimizer']['params']['lr']:g} from {run.lr_source}; scheduler {cfg.ds.get('scheduler', {}).get('type', 'none')}"

@@ -40,7 +40,15 @@ def prepare(out: Path, *extra: str, inputs: list[Path] | None = None, seq_len: i
 @pytest.fixture(scope="session")
 def tiny_data(tmp_path_factory: pytest.TempPathFactory) -> Path:
     """Stdlib source, BPE tokenizer (vocab 512) trained here, packed into 64-token rows."""
-    return prepare(tmp_path_factory.mktemp("data") / "stdlib", "--tokenizer", "train", "--vocab-size", "512")
+    return prepare(
+        tmp_path_factory.mktemp("data") / "stdlib",
+        "--tokenizer",
+        "train",
+        "--vocab-size",
+        "512",
+        "--val-fraction",
+        "0.1",
+    )
 
 
 def launch(

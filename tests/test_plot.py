@@ -1,0 +1,61 @@
+"""deepzero.plot: a fabricated metrics.jsonl becomes a valid, non-empty PNG (fast, no launcher)."""
+
+from __future__ import annotations
+
+import json
+import struct
+from pathlib import Path
+
+import pytest
+
+from deepzero.errors import UserError
+from deepzero.plot import main, plot
+
+PNG_SIGNATURE = b"\x89PNG\r\n\x1a\n"
+
+
+def fake_metrics(path: Path, steps: int = 40, log_interval: int = 5) -> Path:
+    """train records every log_interval steps (first window slow: warm-up), eval every 20, one NaN loss."""
+    lines = []
+    for step in range(log_interval, steps + 1, log_interval):
+        tps = 800.0 if step == log_interval else 5000.0 + step
+        loss = float("nan") if step == 15 else 8.0 - 0.1 * step
+        lines.append({"kind": "train", "step": step, "loss": loss, "lr": 1e-3, "tokens_per_s": tps, "time": 1.0})
+        if step % 20 == 0:
+            lines.append({"kind": "eval", "step": step, "val_loss": 7.5 - 0.05 * step, "val_ppl": 100.0})
+    lines.append({"kind": "export", "step": steps, "ok": True})
+    path.write_text("".join(json.dumps(r) + "\n" for r in lines))
+    return path
+
+
+def png_size(path: Path) -> tuple[int, int]:
+    data = path.read_bytes()
+    assert data[:8] == PNG_SIGNATURE, "not a PNG"
+    assert data[12:16] == b"IHDR"
+    return struct.unpack(">II", data[16:24])
+
+
+def test_plot_writes_a_png_next_to_the_metrics(tmp_path: Path) -> None:
+    (tmp_path / "run").mkdir()
+    out = plot(fake_metrics(tmp_path / "run" / "metrics.jsonl"))
+    assert out == tmp_path / "run" / "curves.png"
+    width, height = png_size(out)
+    assert width >= 600 and height >= 300
+    assert out.stat().st_size > 10_000  # two panels with lines, not a blank canvas
+
+
+def test_cli_writes_to_the_given_path(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    metrics = fake_metrics(tmp_path / "metrics.jsonl")
+    out = tmp_path / "plots" / "curves.png"
+    assert main([str(metrics), "-o", str(out)]) == 0
+    assert png_size(out)[0] > 0
+    assert str(out) in capsys.readouterr().out
+
+
+def test_missing_or_empty_metrics_are_one_clear_error(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    assert main([str(tmp_path / "nope.jsonl")]) == 2
+    assert "no such metrics file" in capsys.readouterr().err
+    empty = tmp_path / "metrics.jsonl"
+    empty.write_text(json.dumps({"kind": "eval", "step": 1, "val_loss": 3.0}) + "\n")
+    with pytest.raises(UserError, match="no train records"):
+        plot(empty)
