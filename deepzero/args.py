@@ -63,6 +63,13 @@ class TrainArgs:
     attn_implementation: str = field(default="sdpa", **_help("eager | sdpa | flash_attention_2"))
     gradient_checkpointing: bool = field(default=False, **_help("Recompute activations in backward to save memory."))
     trust_remote_code: bool = field(default=False, **_help("Allow code from the model repo to run (off by default)."))
+    device_map: str | None = field(
+        default=None,
+        **_help("'balanced': one process, layers split over the cards (naive model parallel) instead of ZeRO."),
+    )
+    device_map_devices: str | None = field(
+        default=None, **_help("Cards for --device-map, e.g. 0,1,2 (default: all visible GPUs) or cpu,cpu,cpu.")
+    )
     peak_tflops: float | None = field(
         default=None, **_help("Peak dense TFLOP/s per device for MFU. Default: looked up from the GPU name.")
     )
@@ -81,6 +88,8 @@ class TrainArgs:
         for name in ("max_steps", "log_interval", "eval_batches", "keep_last", "max_nonfinite_steps"):
             if getattr(self, name) < 1:
                 raise UserError(f"--{name.replace('_', '-')}", "must be at least 1", "pass a positive integer")
+        if self.device_map not in (None, "balanced"):
+            raise UserError(f"--device-map {self.device_map}", "unknown placement", "use --device-map balanced")
         for name in ("eval_interval", "save_interval"):
             if getattr(self, name) < 0:
                 raise UserError(f"--{name.replace('_', '-')}", "must be 0 (off) or positive", "pass 0 or more")

@@ -71,12 +71,12 @@ def _write_and_verify(
     tmp = out_dir.with_name(f"{out_dir.name}.partial")
     shutil.rmtree(tmp, ignore_errors=True)
     module = engine.module
+    dtype = next(iter(state_dict.values())).dtype  # read first: save_pretrained may consume the dict
     module.save_pretrained(tmp, state_dict=state_dict, safe_serialization=True)
     tokenizer.save_pretrained(tmp)
     if out_dir.exists():
         shutil.rmtree(out_dir)
     os.replace(tmp, out_dir)
-    dtype = next(iter(state_dict.values())).dtype
     reloaded = AutoModelForCausalLM.from_pretrained(out_dir, dtype=dtype, attn_implementation=_attn(module))
     reloaded.eval()
     logits = reloaded(input_ids=probe["input_ids"].cpu()).logits.float()

@@ -22,6 +22,7 @@ from deepzero.data import GlobalBatchSampler, PackedDataset, check_enough_rows, 
 from deepzero.errors import UserError
 from deepzero.export import export_hf
 from deepzero.flops import count_params, flops_per_token, peak_tflops
+from deepzero.layer_split import LayerSplitEngine, parse_devices, place_model
 from deepzero.metrics import MetricsSink, peak_memory_gb, redact
 from deepzero.pipeline import (
     PipelineSettings,
@@ -135,6 +136,12 @@ def plan_run(args: TrainArgs, world: int) -> RunPlan:
         hidden_size=config.hidden_size,
     )
     pipe = pipeline_settings(args)
+    if args.device_map and world > 1:
+        raise UserError(
+            "--device-map",
+            f"layer split runs in one process, not {world}",
+            "run `python train.py --device-map balanced`",
+        )
     dp_size = pipe.dp_size(world) if pipe else world
     cfg = dsconfig.resolve(args.deepspeed_config, dp_size=dp_size, hints=hints, overrides=args.ds)
     if pipe:
@@ -186,6 +193,10 @@ def build_engine(args: TrainArgs, plan: RunPlan) -> tuple[Any, torch.nn.Module, 
         trust_remote_code=args.trust_remote_code,
     )
     model.config.use_cache = False
+    if args.device_map:
+        devices = parse_devices(args.device_map_devices)
+        placement = place_model(model, devices, plan.seq_len, plan.cfg.batch.micro)
+        return LayerSplitEngine(model, placement, plan.cfg.ds), model, None
     if plan.pipe:
         engine, name_map = build_pipeline_engine(
             model, plan.cfg.ds, plan.pipe.stages, plan.pipe.partition, plan.pipe.activation_checkpoint_interval
@@ -227,7 +238,7 @@ def setup(args: TrainArgs) -> Run:
         world=world,
         dp_rank=grid.data_parallel_id if plan.pipe else rank,
         dp_size=grid.data_parallel_size if plan.pipe else world,
-        device=get_accelerator().current_device_name(),
+        device=str(engine.first_device) if args.device_map else get_accelerator().current_device_name(),
     )
     if run.is_main:
         _write_run_config(run, run_config)
@@ -304,7 +315,7 @@ def optimizer_step(run: Run, batches: Iterator[Any]) -> torch.Tensor:
         loss = engine(**next(batches)).loss
         engine.backward(loss)
         engine.step()
-        step_loss += loss.detach().float()
+        step_loss += loss.detach().float().to(step_loss.device)  # under --device-map the loss is on the last card
     return step_loss
 
 
@@ -457,6 +468,7 @@ def _print_header(run: Run, model_name: str) -> None:
         f"model: {model_name}  params {counts.total / 1e6:,.2f}M (active {counts.active / 1e6:,.2f}M)",
         f"deepspeed: {cfg.path}  ZeRO-{cfg.zero_stage}  {cfg.precision}"
         + (f"  offload {'+'.join(cfg.offload)}" if cfg.offload else "")
+        + (f"  layer split over {len(run.engine.placement.cards)} cards" if run.args.device_map else "")
         + (f"  pipeline {run.pipe.stages} stages × data-parallel {run.dp_size}" if run.pipe else "")
         + f"  world {run.world} on {run.device.split(':')[0]} ({dist.get_backend()})",
         cfg.batch.describe(run.seq_len),

@@ -149,7 +149,7 @@ def test_pipeline_preset_trains_resumes_and_exports_through_train_py(tiny_data: 
 
     out = tmp_path / "run"
     args = ["--deepspeed_config", "ds_configs/pipeline.json", *tiny_args(tiny_data, out, "--max-steps", "8")]
-    args += ["--save-interval", "4", "--eval-interval", "4"]
+    args += ["--save-interval", "4", "--eval-interval", "4", "--grad-accum", "6"]
     proc = launch(args)
     assert "pipeline 3 stages × data-parallel 1" in proc.stdout
     full = losses(out)
