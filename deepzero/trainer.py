@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import math
 import os
+import socket
 import sys
 import time
 from collections.abc import Iterator
@@ -16,14 +17,14 @@ import torch.distributed as dist
 from deepspeed.accelerator import get_accelerator
 from tqdm.auto import tqdm
 
-from deepzero import checkpoint, dsconfig, modeling
+from deepzero import checkpoint, dsconfig, modeling, report
 from deepzero.args import TrainArgs, parse_args
 from deepzero.data import GlobalBatchSampler, PackedDataset, check_enough_rows, load_meta, make_eval_loader
 from deepzero.errors import UserError
 from deepzero.export import export_hf
-from deepzero.flops import count_params, flops_per_token, peak_tflops
+from deepzero.flops import flops_per_token, peak_tflops
 from deepzero.layer_split import LayerSplitEngine, parse_devices, place_model
-from deepzero.metrics import MetricsSink, peak_memory_gb, redact
+from deepzero.metrics import MetricsSink, redact
 from deepzero.pipeline import (
     PipelineSettings,
     build_pipeline_engine,
@@ -96,7 +97,10 @@ def init_distributed() -> tuple[int, int]:
     """Join the process group the launcher (deepspeed, torchrun, srun) described; a plain `python` run is rank 0 of 1."""
     for key, default in (("RANK", "0"), ("LOCAL_RANK", "0"), ("WORLD_SIZE", "1"), ("MASTER_ADDR", "127.0.0.1")):
         os.environ.setdefault(key, default)
-    os.environ.setdefault("MASTER_PORT", "29500")
+    if "MASTER_PORT" not in os.environ:  # a lone `python train.py`: any free port, so several can run side by side
+        with socket.socket() as sock:
+            sock.bind(("127.0.0.1", 0))
+            os.environ["MASTER_PORT"] = str(sock.getsockname()[1])
     get_accelerator().set_device(int(os.environ["LOCAL_RANK"]))
     if not torch.cuda.is_available() and "OMP_NUM_THREADS" not in os.environ:
         local_world = int(os.environ.get("LOCAL_WORLD_SIZE", os.environ["WORLD_SIZE"]))
@@ -216,7 +220,7 @@ def setup(args: TrainArgs) -> Run:
     rank, world = init_distributed()
     engine, model, name_map = build_engine(args, plan)
     state = checkpoint.load(engine, args.checkpoint_dir) if args.resume else checkpoint.TrainState()
-    run_config = {"args": vars(args), "deepspeed": plan.cfg.ds, "env": redact(_launch_env())}
+    run_config = {"args": vars(args), "deepspeed": plan.cfg.ds, "env": redact(report.launch_env())}
     grid = getattr(engine, "grid", None)
     run = Run(
         args=args,
@@ -241,8 +245,8 @@ def setup(args: TrainArgs) -> Run:
         device=str(engine.first_device) if args.device_map else get_accelerator().current_device_name(),
     )
     if run.is_main:
-        _write_run_config(run, run_config)
-        _print_header(run, plan.source.spec)
+        report.write_run_config(run, run_config)
+        report.print_header(run, plan.source.spec)
     return run
 
 
@@ -285,16 +289,16 @@ def fit(run: Run) -> None:
         step = run.state.step
         if step % args.log_interval == 0 or step == args.max_steps:
             elapsed = time.perf_counter() - window_start
-            record = train_record(run, loss_sum / (window_steps * batch.accum), window_steps, elapsed)
+            record = report.train_record(run, loss_sum / (window_steps * batch.accum), window_steps, elapsed)
             bar.set_postfix(
                 loss=f"{record['loss']:.3f}", lr=f"{record['lr']:.2e}", tok_s=f"{record['tokens_per_s']:.0f}"
             )
-            log(run, record, bar)
+            report.log(run, record, bar)
             check_finite(run, bad_streak)
             loss_sum.zero_()
             window_start, window_steps = time.perf_counter(), 0
         if run.val_data is not None and args.eval_interval and step % args.eval_interval == 0:
-            log(run, evaluate(run), bar)
+            report.log(run, evaluate(run), bar)
         if args.save_interval and step % args.save_interval == 0 and check_finite(run, bad_streak):
             checkpoint.save(engine, args.checkpoint_dir, run.state, args.keep_last)
         if stop.agreed():
@@ -325,7 +329,7 @@ class Preempted(Exception):
 
 def check_finite(run: Run, bad_streak: torch.Tensor) -> bool:
     """True when the last step's loss was finite; stop the run after ``max_nonfinite_steps`` bad steps in a row."""
-    streak = int(_all_reduce_max(float(bad_streak.item())))
+    streak = int(report.all_reduce_max(float(bad_streak.item())))
     if streak >= run.args.max_nonfinite_steps:
         latest = checkpoint.latest_tag(run.args.checkpoint_dir) or "none"
         raise UserError(
@@ -336,32 +340,6 @@ def check_finite(run: Run, bad_streak: torch.Tensor) -> bool:
     if streak and run.is_main:
         print(f"warning: step {run.state.step}: loss not finite for {streak} step(s); not saving a checkpoint now")
     return streak == 0
-
-
-def train_record(run: Run, mean_loss: torch.Tensor, steps: int, elapsed: float) -> dict[str, Any]:
-    """One logging point: global mean loss, lr, loss scale, grad norm, throughput, MFU, peak memory."""
-    engine = run.engine
-    loss = _all_reduce_mean(mean_loss)
-    tokens_per_s = steps * run.tokens_per_step / max(elapsed, 1e-9)
-    mem_gb, mem_kind = peak_memory_gb()
-    record: dict[str, Any] = {
-        "kind": "train",
-        "step": run.state.step,
-        "loss": loss,
-        "lr": float(engine.get_lr()[0]),
-        "grad_norm": _float_or_none(engine.get_global_grad_norm()),
-        "tokens_per_s": tokens_per_s,
-        "tokens_per_s_per_device": tokens_per_s / run.world,
-        "step_time_s": elapsed / steps,
-        "tokens_seen": run.state.tokens_seen,
-        f"peak_{mem_kind}_mem_gb": _all_reduce_max(mem_gb),
-        "skipped_steps": int(getattr(engine, "skipped_steps", 0)),
-    }
-    if run.cfg.precision == "fp16":
-        record["loss_scale"] = float(getattr(engine.optimizer, "loss_scale", getattr(engine.optimizer, "cur_scale", 0)))
-    if run.peak_tflops:
-        record["mfu"] = run.flops_per_token * tokens_per_s / (run.peak_tflops * 1e12 * run.world)
-    return record
 
 
 @torch.no_grad()
@@ -393,116 +371,23 @@ def finish(run: Run) -> None:
     if not args.save_interval or run.state.step % args.save_interval:
         checkpoint.save(run.engine, args.checkpoint_dir, run.state, args.keep_last)
     if run.val_data is not None and args.eval_interval and run.state.step % args.eval_interval:
-        log(run, evaluate(run), None)
+        report.log(run, evaluate(run), None)
     if args.export:
         probe_loader = make_eval_loader(run.val_data or run.train_data, 1, 0, 1, 1)
         probe = {k: v.to(run.device) for k, v in next(iter(probe_loader)).items()}
         if run.pipe:
-            report = export_pipeline_hf(run.engine, run.name_map, run.model, run.tokenizer, args.out_dir / "hf", probe)
+            exported = export_pipeline_hf(
+                run.engine, run.name_map, run.model, run.tokenizer, args.out_dir / "hf", probe
+            )
         else:
-            report = export_hf(run.engine, run.tokenizer, args.out_dir / "hf", probe)
-        if report is not None:
-            log(run, {"kind": "export", "step": run.state.step, **vars(report), "ok": report.ok}, None)
-            if not report.ok:
-                raise RuntimeError(f"exported weights differ from the engine: max |Δlogit| {report.max_abs_logit_diff}")
+            exported = export_hf(run.engine, run.tokenizer, args.out_dir / "hf", probe)
+        if exported is not None:
+            report.log(run, {"kind": "export", "step": run.state.step, **vars(exported), "ok": exported.ok}, None)
+            if not exported.ok:
+                raise RuntimeError(f"export differs from the engine: max |Δlogit| {exported.max_abs_logit_diff}")
     if run.is_main:
-        _print_summary(run)
+        report.print_summary(run)
     run.sink.close()
-
-
-def log(run: Run, record: dict[str, Any], bar: tqdm | None) -> None:
-    run.history.append(record)
-    if not run.is_main:
-        return
-    run.sink.log(record)
-    text = "  ".join(_fmt(k, v) for k, v in record.items() if k != "kind")
-    (bar.write if bar is not None else print)(f"[{record['kind']}] {text}")
-
-
-def _fmt(key: str, value: Any) -> str:
-    if isinstance(value, float):
-        return f"{key}={value:.4g}"
-    return f"{key}={value}"
-
-
-def _all_reduce_mean(t: torch.Tensor) -> float:
-    t = t.detach().clone().float()
-    if dist.is_initialized():
-        dist.all_reduce(t)
-        t /= dist.get_world_size()
-    return t.item()
-
-
-def _all_reduce_max(x: float) -> float:
-    t = torch.tensor(x)
-    if dist.is_initialized() and dist.get_backend() == "gloo":
-        dist.all_reduce(t, op=dist.ReduceOp.MAX)
-    elif dist.is_initialized():
-        t = t.to(get_accelerator().current_device_name())
-        dist.all_reduce(t, op=dist.ReduceOp.MAX)
-    return t.item()
-
-
-def _float_or_none(x: Any) -> float | None:
-    if x is None:
-        return None
-    return float(x.item() if torch.is_tensor(x) else x)
-
-
-def _launch_env() -> dict[str, str]:
-    keep = ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR", "MASTER_PORT", "CUDA_VISIBLE_DEVICES", "DS_ACCELERATOR")
-    return {k: v for k, v in os.environ.items() if k in keep or k.startswith(("NCCL_", "WANDB_", "HF_"))}
-
-
-def _write_run_config(run: Run, run_config: dict[str, Any]) -> None:
-    import json
-
-    run.args.out_dir.mkdir(parents=True, exist_ok=True)
-    (run.args.out_dir / "run_config.json").write_text(json.dumps(run_config, indent=2, default=str))
-
-
-def _print_header(run: Run, model_name: str) -> None:
-    counts = count_params(run.model)
-    cfg = run.cfg
-    lines = [
-        f"model: {model_name}  params {counts.total / 1e6:,.2f}M (active {counts.active / 1e6:,.2f}M)",
-        f"deepspeed: {cfg.path}  ZeRO-{cfg.zero_stage}  {cfg.precision}"
-        + (f"  offload {'+'.join(cfg.offload)}" if cfg.offload else "")
-        + (f"  layer split over {len(run.engine.placement.cards)} cards" if run.args.device_map else "")
-        + (f"  pipeline {run.pipe.stages} stages × data-parallel {run.dp_size}" if run.pipe else "")
-        + f"  world {run.world} on {run.device.split(':')[0]} ({dist.get_backend()})",
-        cfg.batch.describe(run.seq_len),
-        f"lr: peak {cfg.ds['optimizer']['params']['lr']:g} from {run.lr_source}; scheduler {cfg.ds.get('scheduler', {}).get('type', 'none')}"
-        f" {_sched_brief(cfg.ds)}",
-        f"data: {run.args.data}  {len(run.train_data):,} train rows × {run.seq_len} tokens"
-        + (f", {len(run.val_data):,} val rows" if run.val_data is not None else ""),
-        f"FLOPs/token {run.flops_per_token:.3g}; MFU "
-        + (
-            f"against {run.peak_tflops} TFLOP/s per device"
-            if run.peak_tflops
-            else "not reported (no known peak: pass --peak-tflops)"
-        ),
-    ]
-    if run.state.step:
-        lines.append(f"resumed from step {run.state.step} ({run.state.tokens_seen:,} tokens seen)")
-    print("\n".join(lines), flush=True)
-
-
-def _sched_brief(ds: dict[str, Any]) -> str:
-    params = ds.get("scheduler", {}).get("params", {})
-    return f"(warmup {params['warmup_num_steps']} steps)" if "warmup_num_steps" in params else ""
-
-
-def _print_summary(run: Run) -> None:
-    train = [r for r in run.history if r["kind"] == "train"]
-    evals = [r for r in run.history if r["kind"] == "eval"]
-    parts = [f"done: {run.state.step} steps, {run.state.tokens_seen:,} tokens"]
-    if train:
-        parts.append(f"loss {train[0]['loss']:.3f} (step {train[0]['step']}) → {train[-1]['loss']:.3f}")
-    if evals:
-        parts.append(f"val ppl {evals[-1]['val_ppl']:.2f}")
-    parts.append(f"metrics: {run.sink.path}")
-    print("; ".join(parts), flush=True)
 
 
 if __name__ == "__main__":

@@ -1,0 +1,137 @@
+"""What a run reports: the start-up header, one record per log point, the closing summary."""
+
+from __future__ import annotations
+
+import json
+import os
+from typing import TYPE_CHECKING, Any
+
+import torch
+import torch.distributed as dist
+from deepspeed.accelerator import get_accelerator
+from tqdm.auto import tqdm
+
+from deepzero.flops import count_params
+from deepzero.metrics import peak_memory_gb
+
+if TYPE_CHECKING:
+    from deepzero.trainer import Run
+
+
+def train_record(run: Run, mean_loss: torch.Tensor, steps: int, elapsed: float) -> dict[str, Any]:
+    """One logging point: global mean loss, lr, loss scale, grad norm, throughput, MFU, peak memory."""
+    engine = run.engine
+    loss = _all_reduce_mean(mean_loss)
+    tokens_per_s = steps * run.tokens_per_step / max(elapsed, 1e-9)
+    mem_gb, mem_kind = peak_memory_gb()
+    record: dict[str, Any] = {
+        "kind": "train",
+        "step": run.state.step,
+        "loss": loss,
+        "lr": float(engine.get_lr()[0]),
+        "grad_norm": _float_or_none(engine.get_global_grad_norm()),
+        "tokens_per_s": tokens_per_s,
+        "tokens_per_s_per_device": tokens_per_s / run.world,
+        "step_time_s": elapsed / steps,
+        "tokens_seen": run.state.tokens_seen,
+        f"peak_{mem_kind}_mem_gb": all_reduce_max(mem_gb),
+        "skipped_steps": int(getattr(engine, "skipped_steps", 0)),
+    }
+    if run.cfg.precision == "fp16":
+        record["loss_scale"] = float(getattr(engine.optimizer, "loss_scale", getattr(engine.optimizer, "cur_scale", 0)))
+    if run.peak_tflops:
+        record["mfu"] = run.flops_per_token * tokens_per_s / (run.peak_tflops * 1e12 * run.world)
+    return record
+
+
+def log(run: Run, record: dict[str, Any], bar: tqdm | None) -> None:
+    run.history.append(record)
+    if not run.is_main:
+        return
+    run.sink.log(record)
+    text = "  ".join(_fmt(k, v) for k, v in record.items() if k != "kind")
+    (bar.write if bar is not None else print)(f"[{record['kind']}] {text}")
+
+
+def _fmt(key: str, value: Any) -> str:
+    if isinstance(value, float):
+        return f"{key}={value:.4g}"
+    return f"{key}={value}"
+
+
+def _all_reduce_mean(t: torch.Tensor) -> float:
+    t = t.detach().clone().float()
+    if dist.is_initialized():
+        dist.all_reduce(t)
+        t /= dist.get_world_size()
+    return t.item()
+
+
+def all_reduce_max(x: float) -> float:
+    t = torch.tensor(x)
+    if dist.is_initialized() and dist.get_backend() == "gloo":
+        dist.all_reduce(t, op=dist.ReduceOp.MAX)
+    elif dist.is_initialized():
+        t = t.to(get_accelerator().current_device_name())
+        dist.all_reduce(t, op=dist.ReduceOp.MAX)
+    return t.item()
+
+
+def _float_or_none(x: Any) -> float | None:
+    if x is None:
+        return None
+    return float(x.item() if torch.is_tensor(x) else x)
+
+
+def launch_env() -> dict[str, str]:
+    keep = ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR", "MASTER_PORT", "CUDA_VISIBLE_DEVICES", "DS_ACCELERATOR")
+    return {k: v for k, v in os.environ.items() if k in keep or k.startswith(("NCCL_", "WANDB_", "HF_"))}
+
+
+def write_run_config(run: Run, run_config: dict[str, Any]) -> None:
+    run.args.out_dir.mkdir(parents=True, exist_ok=True)
+    (run.args.out_dir / "run_config.json").write_text(json.dumps(run_config, indent=2, default=str))
+
+
+def print_header(run: Run, model_name: str) -> None:
+    counts = count_params(run.model)
+    cfg = run.cfg
+    lines = [
+        f"model: {model_name}  params {counts.total / 1e6:,.2f}M (active {counts.active / 1e6:,.2f}M)",
+        f"deepspeed: {cfg.path}  ZeRO-{cfg.zero_stage}  {cfg.precision}"
+        + (f"  offload {'+'.join(cfg.offload)}" if cfg.offload else "")
+        + (f"  layer split over {len(run.engine.placement.cards)} cards" if run.args.device_map else "")
+        + (f"  pipeline {run.pipe.stages} stages × data-parallel {run.dp_size}" if run.pipe else "")
+        + f"  world {run.world} on {run.device.split(':')[0]} ({dist.get_backend()})",
+        cfg.batch.describe(run.seq_len),
+        f"lr: peak {cfg.ds['optimizer']['params']['lr']:g} from {run.lr_source}; scheduler {cfg.ds.get('scheduler', {}).get('type', 'none')}"
+        f" {_sched_brief(cfg.ds)}",
+        f"data: {run.args.data}  {len(run.train_data):,} train rows × {run.seq_len} tokens"
+        + (f", {len(run.val_data):,} val rows" if run.val_data is not None else ""),
+        f"FLOPs/token {run.flops_per_token:.3g}; MFU "
+        + (
+            f"against {run.peak_tflops} TFLOP/s per device"
+            if run.peak_tflops
+            else "not reported (no known peak: pass --peak-tflops)"
+        ),
+    ]
+    if run.state.step:
+        lines.append(f"resumed from step {run.state.step} ({run.state.tokens_seen:,} tokens seen)")
+    print("\n".join(lines), flush=True)
+
+
+def _sched_brief(ds: dict[str, Any]) -> str:
+    params = ds.get("scheduler", {}).get("params", {})
+    return f"(warmup {params['warmup_num_steps']} steps)" if "warmup_num_steps" in params else ""
+
+
+def print_summary(run: Run) -> None:
+    train = [r for r in run.history if r["kind"] == "train"]
+    evals = [r for r in run.history if r["kind"] == "eval"]
+    parts = [f"done: {run.state.step} steps, {run.state.tokens_seen:,} tokens"]
+    if train:
+        parts.append(f"loss {train[0]['loss']:.3f} (step {train[0]['step']}) → {train[-1]['loss']:.3f}")
+    if evals:
+        parts.append(f"val ppl {evals[-1]['val_ppl']:.2f}")
+    parts.append(f"metrics: {run.sink.path}")
+    print("; ".join(parts), flush=True)
