@@ -35,7 +35,7 @@ class TrainArgs:
         default=DEFAULT_DATA, **_help("Folder written by data/prepare.py (train.bin, val.bin, meta.json).")
     )
     out: str = field(default="runs/default", **_help("Run folder: metrics.jsonl, checkpoints/, hf/ export."))
-    max_steps: int = field(default=300, **_help("Optimizer steps to train for (not micro-steps)."))
+    max_steps: int = field(default=200, **_help("Optimizer steps to train for (not micro-steps)."))
     lr: float | None = field(default=None, **_help("Override the optimizer lr (and the scheduler's peak lr)."))
     warmup_steps: int | None = field(default=None, **_help("Override the scheduler's warmup_num_steps."))
     micro_batch: int | None = field(default=None, **_help("Override train_micro_batch_size_per_gpu."))
