@@ -73,6 +73,13 @@ class TrainArgs:
     peak_tflops: float | None = field(
         default=None, **_help("Peak dense TFLOP/s per device for MFU. Default: looked up from the GPU name.")
     )
+    lora: str | None = field(
+        default=None,
+        **_help(
+            "Train LoRA adapters only (peft), e.g. r=16,alpha=32,dropout=0.0,targets=attn[,mlp,experts|module names]."
+            " The export merges them into a plain HF model."
+        ),
+    )
     local_rank: int = field(default=-1, **_help("Set by the deepspeed launcher."))
 
     @property

@@ -24,6 +24,7 @@ from deepzero.errors import UserError
 from deepzero.export import export_hf
 from deepzero.flops import flops_per_token, peak_tflops
 from deepzero.layer_split import LayerSplitEngine, parse_devices, place_model
+from deepzero.lora import LoraSpec, apply_lora, export_lora_hf, is_lora
 from deepzero.metrics import MetricsSink, redact
 from deepzero.pipeline import (
     PipelineSettings,
@@ -122,6 +123,7 @@ class RunPlan:
     train_data: PackedDataset
     val_data: PackedDataset | None
     tokenizer: Any
+    lora: LoraSpec | None = None
 
 
 def plan_run(args: TrainArgs, world: int) -> RunPlan:
@@ -140,6 +142,9 @@ def plan_run(args: TrainArgs, world: int) -> RunPlan:
         hidden_size=config.hidden_size,
     )
     pipe = pipeline_settings(args)
+    lora = LoraSpec.parse(args.lora) if args.lora is not None else None
+    if lora is not None and (pipe is not None or args.device_map):
+        raise UserError("--lora", "LoRA runs on the ZeRO engine only", "use a ZeRO preset without --device-map")
     if args.device_map and world > 1:
         raise UserError(
             "--device-map",
@@ -174,7 +179,7 @@ def plan_run(args: TrainArgs, world: int) -> RunPlan:
     tokenizer = modeling.load_tokenizer(args.tokenizer or meta.get("tokenizer") or args.model, args.trust_remote_code)
     if warning := check_fit(config, cfg.ds, world, None, seq_len, gradient_checkpointing=args.gradient_checkpointing):
         _warn(warning)
-    return RunPlan(source, config, cfg, pipe, lr_source, seq_len, train_data, val_data, tokenizer)
+    return RunPlan(source, config, cfg, pipe, lr_source, seq_len, train_data, val_data, tokenizer, lora)
 
 
 def pipeline_settings(args: TrainArgs) -> PipelineSettings | None:
@@ -208,6 +213,8 @@ def build_engine(args: TrainArgs, plan: RunPlan) -> tuple[Any, torch.nn.Module, 
         return engine, model, name_map
     if args.gradient_checkpointing:
         model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+    if plan.lora is not None:  # after the build (ZeRO-3: already partitioned), before initialize
+        model = apply_lora(model, plan.lora)
     params = [p for p in model.parameters() if p.requires_grad]
     engine, *_ = deepspeed.initialize(model=model, model_parameters=params, config=plan.cfg.ds)
     engine._deepzero_keep_alive = keep_alive  # HfDeepSpeedConfig must live as long as the engine
@@ -379,6 +386,8 @@ def finish(run: Run) -> None:
             exported = export_pipeline_hf(
                 run.engine, run.name_map, run.model, run.tokenizer, args.out_dir / "hf", probe
             )
+        elif is_lora(run.engine.module):
+            exported = export_lora_hf(run.engine, run.tokenizer, args.out_dir / "hf", probe)
         else:
             exported = export_hf(run.engine, run.tokenizer, args.out_dir / "hf", probe)
         if exported is not None:

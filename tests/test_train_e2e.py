@@ -164,3 +164,18 @@ def test_pipeline_preset_trains_resumes_and_exports_through_train_py(tiny_data: 
     resumed = losses(again)
     for step in range(5, 9):
         assert resumed[step] == pytest.approx(full[step], rel=1e-5), step
+
+
+def test_lora_through_train_py_trains_adapters_and_exports_a_merged_model(tiny_data: Path, tmp_path: Path) -> None:
+    out = tmp_path / "run"
+    args = tiny_args(tiny_data, out, "--max-steps", "6", "--lora", "r=8,alpha=16,targets=attn", "--eval-interval", "0")
+    proc = launch(["--deepspeed_config", "ds_configs/zero2.json", *args, "--lr", "1e-2"])
+    assert "trainable" in proc.stdout.lower()
+    curve = losses(out)
+    assert curve[6] < curve[1]
+    export = records(out, "export")[-1]
+    assert export["ok"] and export["merged_modules"] > 0
+    weights = list((out / "hf").glob("*.safetensors"))
+    assert weights and not list((out / "hf").glob("adapter_*"))
+    model = AutoModelForCausalLM.from_pretrained(out / "hf")
+    assert not any("lora" in name for name, _ in model.named_parameters())
