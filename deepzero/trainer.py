@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import math
 import os
-import socket
 import sys
 import time
 from collections.abc import Iterator
@@ -20,6 +19,7 @@ from tqdm.auto import tqdm
 from deepzero import checkpoint, dsconfig, modeling, report
 from deepzero.args import TrainArgs, parse_args
 from deepzero.data import GlobalBatchSampler, PackedDataset, check_enough_rows, load_meta, make_eval_loader
+from deepzero.distributed import init_distributed
 from deepzero.errors import UserError
 from deepzero.export import export_hf
 from deepzero.flops import flops_per_token, peak_tflops
@@ -92,22 +92,6 @@ def main(argv: list[str] | None = None) -> int:
             prefix = f"[rank {dist.get_rank()}] " if dist.is_initialized() and dist.get_rank() else ""
             print(f"{prefix}error: {err}", file=sys.stderr, flush=True)
         return 2
-
-
-def init_distributed() -> tuple[int, int]:
-    """Join the process group the launcher (deepspeed, torchrun, srun) described; a plain `python` run is rank 0 of 1."""
-    for key, default in (("RANK", "0"), ("LOCAL_RANK", "0"), ("WORLD_SIZE", "1"), ("MASTER_ADDR", "127.0.0.1")):
-        os.environ.setdefault(key, default)
-    if "MASTER_PORT" not in os.environ:  # a lone `python train.py`: any free port, so several can run side by side
-        with socket.socket() as sock:
-            sock.bind(("127.0.0.1", 0))
-            os.environ["MASTER_PORT"] = str(sock.getsockname()[1])
-    get_accelerator().set_device(int(os.environ["LOCAL_RANK"]))
-    if not torch.cuda.is_available() and "OMP_NUM_THREADS" not in os.environ:
-        local_world = int(os.environ.get("LOCAL_WORLD_SIZE", os.environ["WORLD_SIZE"]))
-        torch.set_num_threads(max(1, (os.cpu_count() or 1) // local_world))  # CPU ranks share the cores
-    deepspeed.init_distributed(dist_init_required=True, verbose=False)
-    return dist.get_rank(), dist.get_world_size()
 
 
 @dataclass(frozen=True)

@@ -35,7 +35,7 @@ from deepzero.pipeline import (
     train_step,
 )
 from deepzero.presets import get_preset
-from deepzero.trainer import init_distributed
+from deepzero.distributed import init_distributed
 
 
 def parse(argv: list[str] | None = None) -> argparse.Namespace:

@@ -23,6 +23,7 @@ import torch
 import torch.distributed as dist
 from transformers import AutoModelForCausalLM
 
+from deepzero.distributed import init_distributed
 from deepzero.presets import get_preset
 
 SEQ_LEN = 32
@@ -101,6 +102,7 @@ def main() -> None:
     parser.add_argument("--local_rank", type=int, default=0, help="set by the deepspeed launcher")
     args = parser.parse_args()
 
+    init_distributed()
     torch.manual_seed(0)
     config = get_preset("tiny-deepseek-v3").config()
     model = AutoModelForCausalLM.from_config(config, dtype=torch.float32)

@@ -1,0 +1,51 @@
+"""Joining the process group, and one DeepSpeed CPU quirk: its shared-memory buffers outlive every run."""
+
+from __future__ import annotations
+
+import os
+import socket
+from pathlib import Path
+
+import deepspeed
+import torch
+import torch.distributed as dist
+from deepspeed.accelerator import get_accelerator
+
+SHM_DIR = Path("/dev/shm")
+
+
+def init_distributed() -> tuple[int, int]:
+    """Join the group the launcher (deepspeed, torchrun, srun) described; a plain `python` run is rank 0 of 1."""
+    for key, default in (("RANK", "0"), ("LOCAL_RANK", "0"), ("WORLD_SIZE", "1"), ("MASTER_ADDR", "127.0.0.1")):
+        os.environ.setdefault(key, default)
+    if "MASTER_PORT" not in os.environ:  # a lone `python train.py`: any free port, so several can run side by side
+        with socket.socket() as sock:
+            sock.bind(("127.0.0.1", 0))
+            os.environ["MASTER_PORT"] = str(sock.getsockname()[1])
+    get_accelerator().set_device(int(os.environ["LOCAL_RANK"]))
+    if not torch.cuda.is_available() and "OMP_NUM_THREADS" not in os.environ:
+        local_world = int(os.environ.get("LOCAL_WORLD_SIZE", os.environ["WORLD_SIZE"]))
+        torch.set_num_threads(max(1, (os.cpu_count() or 1) // local_world))  # CPU ranks share the cores
+    deepspeed.init_distributed(dist_init_required=True, verbose=False)
+    release_shm_buffers()
+    return dist.get_rank(), dist.get_world_size()
+
+
+def release_shm_buffers() -> int:
+    """Unlink the /dev/shm buffers DeepSpeed's CPU comm op created for this job (66 MB per rank, never removed).
+
+    Every rank maps its peers' buffers by name while the group starts; after a barrier the names are no longer
+    needed, and unlinking them lets the kernel free the memory when the processes exit, even on SIGKILL.
+    Without this, each CPU run leaks ~200 MB of RAM until reboot. Returns the number of names removed.
+    """
+    if get_accelerator().device_name() != "cpu" or not SHM_DIR.is_dir():
+        return 0
+    dist.barrier()
+    pattern = f"deepspeed_allreduce_buffer_*_{os.environ['MASTER_ADDR']}_{os.environ['MASTER_PORT']}_*"
+    removed = 0
+    if int(os.environ.get("LOCAL_RANK", "0")) == 0:
+        for path in SHM_DIR.glob(pattern):
+            path.unlink(missing_ok=True)
+            removed += 1
+    dist.barrier()
+    return removed
