@@ -1,0 +1,42 @@
+#!/usr/bin/env bash
+# One prepared GPU benchmark, under 8 minutes on one card (an H200 here when lent, or one RTX 4090):
+#   1. the bf16 matmul ceiling (8192², TFLOP/s),
+#   2. training MFU of a DeepSeek-Coder-1.3B-architecture dense model, ZeRO-2 bf16, 1 GPU, random init,
+#   3. training MFU of a DeepSeek-V2-Lite-shaped MoE cut to 8 layers (4.6B total / 1.1B active), same setup,
+#   4. the MoE experts implementations (eager / grouped_mm; batched_mm is skipped at training sizes),
+# then merges everything into RESULTS_DIR/gpu.json and RESULTS_DIR/gpu.md.
+#
+#   bench/gpu.sh [RESULTS_DIR]          # default bench/results; per-step parts go to RESULTS_DIR/gpu/
+#
+# Without CUDA it prints why and exits 0 (nothing measured). Each step has its own time limit, so one that hangs or
+# runs out of memory costs at most its limit and the report says which step did not finish. Nothing is downloaded.
+set -uo pipefail
+cd "$(dirname "$0")/.."
+RESULTS="${1:-bench/results}"
+PARTS="$RESULTS/gpu"
+PY="${PYTHON:-python}"
+if [ -z "${PYTHON:-}" ] && [ -x .venv/bin/python ]; then PY=.venv/bin/python; fi
+
+if ! "$PY" -m bench.gpu_bench check; then
+    echo "bench/gpu.sh: skipped (no CUDA device); GPU figures stay 'not measured'."
+    exit 0
+fi
+mkdir -p "$PARTS"
+rm -f "$PARTS"/*.json
+start=$SECONDS
+
+step() {  # step LIMIT_SECONDS ARGS... : one python -m run with a hard time limit; a failure is reported, not fatal
+    local limit=$1
+    shift
+    echo "== [$((SECONDS - start)) s] $* (limit ${limit} s)"
+    timeout --kill-after=10 "$limit" "$PY" -m "$@"
+    local rc=$?
+    [ "$rc" -eq 0 ] || echo "bench/gpu.sh: '$*' failed or ran past ${limit} s (exit $rc)"
+}
+
+step 60 bench.gpu_bench matmul --out "$PARTS"
+step 150 bench.gpu_bench train --case dense-1.3b --out "$PARTS"
+step 150 bench.gpu_bench train --case moe-v2-lite-8l --out "$PARTS"
+step 60 bench.experts_impl --sizes v2-lite-2l --seq-len 2048 --micro-batch 2 --iters 5 --tag gpu --results "$PARTS"
+"$PY" -m bench.gpu_bench report --out "$PARTS" --results "$RESULTS"
+echo "bench/gpu.sh: done in $((SECONDS - start)) s; results in $RESULTS/gpu.md"
