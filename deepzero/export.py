@@ -1,11 +1,17 @@
-"""Export a trained DeepSpeed engine to a Hugging Face folder (safetensors) and prove it loads back identically."""
+"""Export to a Hugging Face folder (safetensors): the live engine at the end of training, checked by reloading it;
+or, offline, any saved ZeRO-1/2/3 checkpoint from its fp32 master weights:
+
+    python -m deepzero.export runs/default --out runs/default/hf-fp32 [--tag step00000100] [--dtype bf16]
+"""
 
 from __future__ import annotations
 
 import contextlib
+import copy
 import os
 import shutil
-from collections.abc import Iterator
+import sys
+from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -86,3 +92,166 @@ def _write_and_verify(
 
 def _attn(module: torch.nn.Module) -> str:
     return getattr(module.config, "_attn_implementation", None) or "sdpa"
+
+
+# ------------------------------------------------------------------ offline export of a saved ZeRO checkpoint
+
+EXPORT_DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
+
+
+def export_checkpoint(
+    ckpt_dir: Path,
+    out_dir: Path,
+    tag: str | None = None,
+    model_config: str | None = None,
+    tokenizer: str | None = None,
+    dtype: str = "fp32",
+    trust_remote_code: bool = False,
+) -> tuple[Path, int]:
+    """Turn any ZeRO-1/2/3 checkpoint into a Hugging Face folder (safetensors) from its fp32 master weights.
+
+    Works offline, on one CPU process, for any world size that wrote the checkpoint (DeepSpeed's zero_to_fp32).
+    The architecture comes from ``model_config`` (a folder or a preset), else the run's ``hf/config.json``, else
+    the ``--model`` recorded in the run's ``run_config.json``. Returns the folder and the number of tensors.
+    """
+    from deepzero.checkpoint import latest_tag
+    from deepzero.errors import UserError
+    from deepzero.universal import checkpoints_dir, is_universal
+
+    ckpt_dir = checkpoints_dir(Path(ckpt_dir))
+    run_dir = ckpt_dir.parent
+    tag = tag or latest_tag(ckpt_dir)
+    if tag is None:
+        raise UserError(str(ckpt_dir), "no 'latest' file, so no checkpoint to export", "pass --tag stepNNNNNNNN")
+    if not (ckpt_dir / tag).is_dir():
+        raise UserError(str(ckpt_dir / tag), "no such checkpoint folder", f"pick a tag from {ckpt_dir}")
+    if is_universal(ckpt_dir / tag):
+        raise UserError(str(ckpt_dir / tag), "is a universal checkpoint", "export the ZeRO checkpoint it came from")
+    run_args = _run_args(run_dir)
+    config, random_init = _export_config(run_dir, run_args, model_config, trust_remote_code)
+    tok = _export_tokenizer(run_dir, run_args, tokenizer, model_config, trust_remote_code)
+    if random_init:
+        config.vocab_size = len(tok)  # as the trainer built it (modeling.build_model)
+    elif len(tok) > config.vocab_size:
+        config.vocab_size = len(tok)
+    state_dict = _fp32_state_dict(ckpt_dir, tag)
+    target = EXPORT_DTYPES[dtype]
+    with torch.device("meta"):
+        model = AutoModelForCausalLM.from_config(config, dtype=target, trust_remote_code=trust_remote_code)
+    params = {name for name, _ in model.named_parameters(remove_duplicate=False)}
+    # parameters take the export dtype; buffers keep theirs (as in the trainer's own export)
+    state_dict = {k: v.to(target) if k in params and v.is_floating_point() else v for k, v in state_dict.items()}
+    try:
+        model.load_state_dict(state_dict, strict=True, assign=True)
+    except RuntimeError as err:
+        raise UserError(
+            str(ckpt_dir / tag),
+            f"weights do not fit the model config ({str(err).strip().splitlines()[-1][:200]})",
+            "pass --model-config with the architecture that was trained",
+        ) from None
+    tmp = out_dir.with_name(f"{out_dir.name}.partial")
+    shutil.rmtree(tmp, ignore_errors=True)
+    model.save_pretrained(tmp, state_dict=state_dict, safe_serialization=True)
+    tok.save_pretrained(tmp)
+    if out_dir.exists():
+        shutil.rmtree(out_dir)
+    os.replace(tmp, out_dir)
+    return out_dir, len(state_dict)
+
+
+def _run_args(run_dir: Path) -> dict[str, Any]:
+    import json
+
+    path = run_dir / "run_config.json"
+    return json.loads(path.read_text()).get("args", {}) if path.is_file() else {}
+
+
+def _export_config(
+    run_dir: Path, run_args: dict[str, Any], model_config: str | None, trust_remote_code: bool
+) -> tuple[Any, bool]:
+    """The model config and whether it is a random-init preset (its vocab then follows the tokenizer)."""
+    from transformers import AutoConfig
+
+    from deepzero.errors import UserError
+    from deepzero.modeling import load_config, resolve_model
+
+    if model_config is None and (run_dir / "hf" / "config.json").is_file():
+        return AutoConfig.from_pretrained(run_dir / "hf", trust_remote_code=trust_remote_code), False
+    spec = model_config or run_args.get("model")
+    if spec is None:
+        raise UserError(
+            str(run_dir), "no run_config.json or hf/config.json to take the architecture from", "pass --model-config"
+        )
+    source = resolve_model(spec)
+    return copy.deepcopy(load_config(source, trust_remote_code)), source.random_init
+
+
+def _export_tokenizer(
+    run_dir: Path, run_args: dict[str, Any], tokenizer: str | None, model_config: str | None, trust_remote_code: bool
+) -> Any:
+    """--tokenizer, else the run's hf/ export, else what the run trained with (its --tokenizer, data, or model)."""
+    from deepzero.data import load_meta
+    from deepzero.errors import UserError
+    from deepzero.modeling import load_tokenizer
+
+    spec = tokenizer
+    if spec is None and (run_dir / "hf" / "tokenizer_config.json").is_file():
+        spec = str(run_dir / "hf")
+    if spec is None and run_args.get("tokenizer"):
+        spec = run_args["tokenizer"]
+    if spec is None and run_args.get("data"):
+        try:
+            spec = load_meta(run_args["data"]).get("tokenizer")
+        except UserError:
+            spec = None
+    spec = spec or model_config or run_args.get("model")
+    if spec is None:
+        raise UserError(str(run_dir), "cannot tell which tokenizer the run used", "pass --tokenizer")
+    return load_tokenizer(spec, trust_remote_code)
+
+
+def _fp32_state_dict(ckpt_dir: Path, tag: str) -> dict[str, torch.Tensor]:
+    """DeepSpeed's zero_to_fp32: merge every rank's fp32 master partition (ZeRO-1/2/3) into full tensors."""
+    from deepspeed.utils.zero_to_fp32 import get_fp32_state_dict_from_zero_checkpoint
+
+    from deepzero.errors import UserError
+
+    try:
+        with contextlib.redirect_stdout(sys.stderr):  # zero_to_fp32 prints progress on stdout
+            return get_fp32_state_dict_from_zero_checkpoint(str(ckpt_dir), tag=tag)
+    except Exception as err:  # truncated files, missing ranks, pipeline layouts: DeepSpeed raises many types
+        raise UserError(
+            str(ckpt_dir / tag),
+            f"not a readable ZeRO checkpoint ({type(err).__name__}: {str(err).strip()[:200]})",
+            "export a complete checkpoint (see 'latest'); pipeline checkpoints export at the end of training",
+        ) from None
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    """``python -m deepzero.export CKPT_DIR --out HF_DIR``: one line on success, ``error: ...`` and 2 on bad input."""
+    import argparse
+
+    from deepzero.errors import UserError
+
+    parser = argparse.ArgumentParser(prog="python -m deepzero.export", description=export_checkpoint.__doc__)
+    parser.add_argument("checkpoint", type=Path, help="run folder (--out of train.py) or its checkpoints folder")
+    parser.add_argument("--tag", help="checkpoint to export (default: the one 'latest' names)")
+    parser.add_argument("--out", type=Path, required=True, help="Hugging Face folder to write")
+    parser.add_argument("--model-config", help="folder with config.json, or a preset (default: from the run)")
+    parser.add_argument("--tokenizer", help="tokenizer folder or hub id (default: the one the run used)")
+    parser.add_argument("--dtype", choices=sorted(EXPORT_DTYPES), default="fp32", help="dtype of the saved weights")
+    parser.add_argument("--trust-remote-code", action="store_true", help="allow code from the model repo to run")
+    args = parser.parse_args(argv)
+    try:
+        out, n = export_checkpoint(
+            args.checkpoint, args.out, args.tag, args.model_config, args.tokenizer, args.dtype, args.trust_remote_code
+        )
+    except UserError as err:
+        print(f"error: {err}", file=sys.stderr)
+        return 2
+    print(f"export: {n} tensors ({args.dtype}) from {args.checkpoint} -> {out}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
