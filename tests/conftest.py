@@ -74,12 +74,11 @@ def losses(out: Path) -> dict[int, float]:
 
 
 @pytest.fixture(autouse=True, scope="session")
-def no_leaked_shared_memory() -> Iterator[None]:
-    """DeepSpeed's CPU comm op leaves 66 MB per rank in /dev/shm; deepzero unlinks it. Check no run leaked."""
+def remove_leaked_shared_memory() -> Iterator[None]:
+    """Belt and braces: remove DeepSpeed /dev/shm buffers that appeared during the session (a killed run can
+    leave some). Whether deepzero itself releases them is asserted per launch in test_train_e2e."""
     shm = Path("/dev/shm")
     before = set(shm.glob("deepspeed_allreduce_buffer_*")) if shm.is_dir() else set()
     yield
-    leaked = (set(shm.glob("deepspeed_allreduce_buffer_*")) if shm.is_dir() else set()) - before
-    for path in leaked:
+    for path in (set(shm.glob("deepspeed_allreduce_buffer_*")) if shm.is_dir() else set()) - before:
         path.unlink(missing_ok=True)
-    assert not leaked, f"{len(leaked)} DeepSpeed shared-memory buffers leaked, e.g. {sorted(leaked)[0]}"

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import re
 from pathlib import Path
 
 import pytest
@@ -38,6 +39,8 @@ def test_seed_preset_trains_on_three_ranks_and_loss_falls(zero2_run: tuple[Path,
     out, log = zero2_run
     assert "ZeRO-2  fp16" in log and "world 3 on cpu (gloo)" in log
     assert "micro 2 × accumulation 2 × data-parallel 3 = global 12" in log
+    port = re.search(r"--master_port=(\d+)", log).group(1)  # DeepSpeed's CPU comm buffers were released
+    assert not list(Path("/dev/shm").glob(f"deepspeed_allreduce_buffer_*_{port}_*"))
     curve = losses(out)
     assert sorted(curve) == list(range(1, STEPS + 1))
     first, last = curve[1], sum(curve[s] for s in range(STEPS - 3, STEPS + 1)) / 4

@@ -26,9 +26,9 @@ import torch.distributed as dist
 
 from deepzero import dsconfig, modeling
 from deepzero.data import GlobalBatchSampler, PackedDataset, load_meta, make_eval_loader, make_train_loader
+from deepzero.distributed import init_distributed
 from deepzero.export import consolidated_state_dict
 from deepzero.lora import LoraSpec, apply_lora, export_lora_hf, is_adapter_param, param_counts
-from deepzero.distributed import init_distributed
 
 MODEL = "tiny-deepseek-v3"
 

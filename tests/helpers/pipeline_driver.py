@@ -25,6 +25,7 @@ from transformers import AutoModelForCausalLM
 
 from deepzero import checkpoint, dsconfig, modeling
 from deepzero.data import GlobalBatchSampler, PackedDataset, load_meta, make_eval_loader, make_train_loader
+from deepzero.distributed import init_distributed
 from deepzero.pipeline import (
     PipelineSettings,
     build_pipeline_engine,
@@ -35,7 +36,6 @@ from deepzero.pipeline import (
     train_step,
 )
 from deepzero.presets import get_preset
-from deepzero.distributed import init_distributed
 
 
 def parse(argv: list[str] | None = None) -> argparse.Namespace:
