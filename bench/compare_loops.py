@@ -116,8 +116,7 @@ def markdown(result: dict[str, Any]) -> str:
         f"`{result['model']}`, `{result['deepspeed_config']}`, {result['ranks']} ranks, {result['batch']},"
         f" {result['steps']} steps, log every {result['log_interval']} (first window dropped),"
         f" {result['reps']} interleaved repetitions. Machine: {result['machine'].get('gpu') or 'CPU only'},"
-        f" {result['machine']['cpu_count']} cores (1-min load average {result['machine'].get('load_avg_1m', 0):.1f}"
-        " at the end).",
+        f" {result['machine']['cpu_count']} cores.",
         "",
         "| loop | median s/step | min–max over reps | tokens/s | per-rep medians (s) |",
         "|---|---|---|---|---|",

@@ -99,10 +99,17 @@ def wait_for_quiet(max_busy: float | None, max_wait: float) -> dict[str, Any]:
     return {"busy_cores_before": round(busy, 2), "waited_s": round(waited, 1)}
 
 
-def launch(target: str, args: Sequence[str], nproc: int, log: Path, module: bool = False, timeout: int = 1800) -> float:
+EXTERNAL_STOP = "Main process received SIG"  # DeepSpeed's launcher was signalled from outside: not the loop's fault
+
+
+def launch(
+    target: str, args: Sequence[str], nproc: int, log: Path, module: bool = False, timeout: int = 1800, retries: int = 2
+) -> float:
     """``deepspeed --num_gpus=N [--module] TARGET ARGS`` from the repo root; output to ``log``. Returns wall seconds.
 
-    Raises RuntimeError with the log's tail if the run fails, so a broken loop is never reported as a fast one.
+    Raises RuntimeError with the log's tail if the run fails, so a broken loop is never reported as a fast one. A run
+    whose launcher was stopped by a signal from outside (a shared machine's cleanup) is started again, ``retries``
+    times at most.
     """
     cmd = [str(DEEPSPEED), f"--num_gpus={nproc}", f"--master_port={free_port()}"]
     cmd += ["--module", target] if module else [target]
@@ -115,7 +122,11 @@ def launch(target: str, args: Sequence[str], nproc: int, log: Path, module: bool
         proc = subprocess.run(cmd, cwd=REPO, env=launch_env(), stdout=f, stderr=subprocess.STDOUT, timeout=timeout)
     wall = time.perf_counter() - start
     if proc.returncode != 0:
-        tail = "\n".join(log.read_text().splitlines()[-30:])
+        text = log.read_text()
+        if EXTERNAL_STOP in text and retries > 0:
+            print(f"  {target}: launcher stopped by an outside signal; starting it again")
+            return launch(target, args, nproc, log, module, timeout, retries - 1)
+        tail = "\n".join(text.splitlines()[-30:])
         raise RuntimeError(f"{' '.join(cmd)} exited {proc.returncode}; log {log}:\n{tail}")
     return wall
 
@@ -228,14 +239,15 @@ def combine(reps: list[dict[str, Any]]) -> dict[str, Any]:
 def markdown(result: dict[str, Any]) -> str:
     """The results as a markdown table plus the one derived number."""
     fpt = result["flops_per_token"]
+    busy = [rep["busy_cores_before"] for r in result["runs"] for rep in r["reps"] if "busy_cores_before" in rep]
     lines = [
         f"# Scaling: 1 rank vs {result['ranks']} ranks, same global batch",
         "",
         f"Model `{result['model']}`, `{result['deepspeed_config']}`, seq_len {result['seq_len']},"
         f" {fpt:.3g} FLOPs/token; {result['steps']} steps, log every {result['log_interval']},"
         f" first window dropped, medians of the rest; {result['reps']} repetitions in ABBA order, median shown.",
-        f"Machine: {result['machine'].get('gpu') or 'CPU only'}, {result['machine']['cpu_count']} CPU cores"
-        f" (1-min load average {result['machine']['load_avg_1m']:.1f} at the end).",
+        f"Machine: {result['machine'].get('gpu') or 'CPU only'}, {result['machine']['cpu_count']} CPU cores."
+        + (f" Cores used by other processes just before each run: {min(busy):.1f}–{max(busy):.1f}." if busy else ""),
         "",
         "| ranks | micro × accum | global batch | tokens/s | tokens/s/device | step s | achieved TFLOP/s | MFU"
         " | peak mem/rank GB | tokens/s per rep |",
