@@ -31,6 +31,17 @@ def init_distributed() -> tuple[int, int]:
     return dist.get_rank(), dist.get_world_size()
 
 
+def leave_distributed() -> None:
+    """Tear the process group down before a clean exit.
+
+    Without it, gloo's worker threads can outlive the interpreter and abort the process after its work is done
+    ("terminate called without an active exception", exit -6). Call it only on the success path: after an error
+    a peer may still be inside a collective, and tearing down under it can hang.
+    """
+    if dist.is_initialized():
+        dist.destroy_process_group()
+
+
 def release_shm_buffers() -> int:
     """Unlink the /dev/shm buffers DeepSpeed's CPU comm op created for this job (66 MB per rank, never removed).
 
