@@ -73,21 +73,32 @@ def _zero3_init_off() -> Iterator[None]:
 def _write_and_verify(
     engine: Any, tokenizer: Any, out_dir: Path, state_dict: dict, probe: dict, engine_logits: torch.Tensor
 ) -> ExportReport:
-    """Save on rank 0 under a temporary name, publish with a rename, reload and compare logits."""
+    """Publish on rank 0, reload and compare logits with the engine's."""
+    dtype = next(iter(state_dict.values())).dtype  # read first: save_pretrained may consume the dict
+    publish_hf(engine.module, tokenizer, out_dir, state_dict)
+    diff = (reloaded_logits(out_dir, dtype, _attn(engine.module), probe) - engine_logits).abs().max().item()
+    return ExportReport(str(out_dir), diff, str(dtype).removeprefix("torch."))
+
+
+def publish_hf(model: Any, tokenizer: Any, out_dir: Path, state_dict: dict | None = None) -> None:
+    """save_pretrained (safetensors) and the tokenizer under ``<out>.partial``, then renamed to ``out_dir``:
+    a crash mid-write never leaves a half-written folder under the final name."""
     tmp = out_dir.with_name(f"{out_dir.name}.partial")
     shutil.rmtree(tmp, ignore_errors=True)
-    module = engine.module
-    dtype = next(iter(state_dict.values())).dtype  # read first: save_pretrained may consume the dict
-    module.save_pretrained(tmp, state_dict=state_dict, safe_serialization=True)
-    tokenizer.save_pretrained(tmp)
+    model.save_pretrained(tmp, state_dict=state_dict, safe_serialization=True)
+    if tokenizer is not None:
+        tokenizer.save_pretrained(tmp)
     if out_dir.exists():
         shutil.rmtree(out_dir)
     os.replace(tmp, out_dir)
-    reloaded = AutoModelForCausalLM.from_pretrained(out_dir, dtype=dtype, attn_implementation=_attn(module))
+
+
+@torch.no_grad()
+def reloaded_logits(out_dir: Path, dtype: torch.dtype, attn_implementation: str, probe: dict) -> torch.Tensor:
+    """Logits of the exported folder, loaded by plain Transformers on the CPU, for ``probe``."""
+    reloaded = AutoModelForCausalLM.from_pretrained(out_dir, dtype=dtype, attn_implementation=attn_implementation)
     reloaded.eval()
-    logits = reloaded(input_ids=probe["input_ids"].cpu()).logits.float()
-    diff = (logits - engine_logits).abs().max().item()
-    return ExportReport(str(out_dir), diff, str(dtype).removeprefix("torch."))
+    return reloaded(input_ids=probe["input_ids"].cpu()).logits.float()
 
 
 def _attn(module: torch.nn.Module) -> str:
@@ -149,14 +160,9 @@ def export_checkpoint(
             f"weights do not fit the model config ({str(err).strip().splitlines()[-1][:200]})",
             "pass --model-config with the architecture that was trained",
         ) from None
-    tmp = out_dir.with_name(f"{out_dir.name}.partial")
-    shutil.rmtree(tmp, ignore_errors=True)
-    model.save_pretrained(tmp, state_dict=state_dict, safe_serialization=True)
-    tok.save_pretrained(tmp)
-    if out_dir.exists():
-        shutil.rmtree(out_dir)
-    os.replace(tmp, out_dir)
-    return out_dir, len(state_dict)
+    count = len(state_dict)
+    publish_hf(model, tok, out_dir, state_dict)
+    return out_dir, count
 
 
 def _run_args(run_dir: Path) -> dict[str, Any]:

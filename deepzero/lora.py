@@ -34,7 +34,6 @@ import contextlib
 import copy
 import difflib
 import os
-import shutil
 from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
@@ -44,7 +43,14 @@ import torch
 import torch.distributed as dist
 
 from deepzero.errors import UserError
-from deepzero.export import ExportReport, _attn, _zero3_init_off, consolidated_state_dict
+from deepzero.export import (
+    ExportReport,
+    _attn,
+    _zero3_init_off,
+    consolidated_state_dict,
+    publish_hf,
+    reloaded_logits,
+)
 
 FLAG = "--lora"
 KEYS = ("r", "alpha", "dropout", "targets")
@@ -419,21 +425,10 @@ def _write_and_verify(
     attn_implementation: str,
     wrapped: int,
 ) -> LoraExportReport:
-    """Save under a temporary name, publish with a rename, reload with plain Transformers, compare logits."""
-    from transformers import AutoModelForCausalLM
-
-    tmp = out_dir.with_name(f"{out_dir.name}.partial")
-    shutil.rmtree(tmp, ignore_errors=True)
-    merged.save_pretrained(tmp, safe_serialization=True)
-    tokenizer.save_pretrained(tmp)
-    if out_dir.exists():
-        shutil.rmtree(out_dir)
-    os.replace(tmp, out_dir)
+    """Publish, reload with plain Transformers (no peft), compare logits with the engine's."""
+    publish_hf(merged, tokenizer, out_dir)
     dtype = merged.dtype
-    reloaded = AutoModelForCausalLM.from_pretrained(out_dir, dtype=dtype, attn_implementation=attn_implementation)
-    reloaded.eval()
-    logits = reloaded(input_ids=probe["input_ids"].cpu()).logits.float()
-    diff = (logits - engine_logits).abs()
+    diff = (reloaded_logits(out_dir, dtype, attn_implementation, probe) - engine_logits).abs()
     return LoraExportReport(
         str(out_dir),
         diff.max().item(),

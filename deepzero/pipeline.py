@@ -23,8 +23,6 @@ device and only those are trained. Models that do not fit in host memory per ran
 
 from __future__ import annotations
 
-import os
-import shutil
 from collections.abc import Iterable, Iterator
 from dataclasses import dataclass
 from pathlib import Path
@@ -37,7 +35,7 @@ from torch import nn
 
 from deepzero.data import IGNORE_INDEX
 from deepzero.errors import UserError
-from deepzero.export import ExportReport
+from deepzero.export import ExportReport, _attn, publish_hf, reloaded_logits
 
 PARTITION_METHODS = ("parameters", "uniform")
 
@@ -237,9 +235,12 @@ def pipeline_batches(batches: Iterable[dict[str, torch.Tensor]]) -> Iterator[tup
         yield batch["input_ids"], batch["labels"]
 
 
-def train_step(engine: Any, data_iter: Iterator[tuple[torch.Tensor, torch.Tensor]]) -> float:
-    """One optimizer step over ``gradient_accumulation_steps`` micro-batches; the mean loss, same on every rank."""
-    return float(engine.train_batch(data_iter))
+def train_step(engine: Any, data_iter: Iterator[tuple[torch.Tensor, torch.Tensor]]) -> torch.Tensor:
+    """One optimizer step over ``gradient_accumulation_steps`` micro-batches; the mean loss, same on every rank.
+
+    Returned as the engine's device tensor: reading it (``float``) waits for the device, so the loop does that
+    only at log points."""
+    return engine.train_batch(data_iter).detach()
 
 
 @torch.no_grad()
@@ -308,26 +309,14 @@ def export_pipeline_hf(
     ``model`` is the HF model the stages were built from (only its config and class are used). Every rank must
     call this; rank 0 returns the report, the others None.
     """
-    from transformers import AutoModelForCausalLM
-
     _, engine_logits = pipeline_logits(engine, probe["input_ids"], probe["labels"])
     state_dict = gather_hf_state_dict(engine, name_map)
     report = None
     if state_dict is not None:
         out_dir = Path(out_dir)
-        tmp = out_dir.with_name(f"{out_dir.name}.partial")
-        shutil.rmtree(tmp, ignore_errors=True)
-        model.save_pretrained(tmp, state_dict=state_dict, safe_serialization=True)
-        if tokenizer is not None:
-            tokenizer.save_pretrained(tmp)
-        if out_dir.exists():
-            shutil.rmtree(out_dir)
-        os.replace(tmp, out_dir)
         dtype = state_dict[name_map["0.embed_tokens.weight"]].dtype
-        attn = getattr(model.config, "_attn_implementation", None) or "sdpa"
-        reloaded = AutoModelForCausalLM.from_pretrained(out_dir, dtype=dtype, attn_implementation=attn).eval()
-        logits = reloaded(input_ids=probe["input_ids"].cpu()).logits.float()
-        diff = (logits - engine_logits).abs().max().item()
+        publish_hf(model, tokenizer, out_dir, state_dict)
+        diff = (reloaded_logits(out_dir, dtype, _attn(model), probe) - engine_logits).abs().max().item()
         report = ExportReport(str(out_dir), diff, str(dtype).removeprefix("torch."))
     dist.barrier()
     return report

@@ -25,7 +25,7 @@ from transformers import AutoModelForCausalLM
 
 from deepzero import checkpoint, dsconfig, modeling
 from deepzero.data import GlobalBatchSampler, PackedDataset, load_meta, make_eval_loader, make_train_loader
-from deepzero.distributed import init_distributed
+from deepzero.distributed import init_distributed, leave_distributed
 from deepzero.pipeline import (
     PipelineSettings,
     build_pipeline_engine,
@@ -109,7 +109,7 @@ def main() -> None:
     batches = pipeline_batches(make_train_loader(train_data, sampler))
     losses, start = {}, time.perf_counter()
     for _ in range(args.steps):
-        loss = train_step(engine, batches)
+        loss = float(train_step(engine, batches))
         state.step += 1
         state.samples_seen += cfg.batch.global_batch
         state.tokens_seen += cfg.batch.global_batch * train_data.seq_len
@@ -132,6 +132,7 @@ def main() -> None:
         args.out.mkdir(parents=True, exist_ok=True)
         (args.out / "report.json").write_text(json.dumps(report, indent=2))
     dist.barrier()
+    leave_distributed()
 
 
 if __name__ == "__main__":
