@@ -12,7 +12,7 @@ OUT       ?= runs/default
 TRAIN_ARGS ?=
 PYTEST_ARGS ?=
 
-.PHONY: setup data train test lint plan doctor clean
+.PHONY: setup data train test lint plan doctor plot bench bench-gpu clean
 
 setup: $(VENV)/.installed
 
@@ -44,6 +44,18 @@ plan: setup
 
 doctor: setup
 	$(BIN)/python -m deepzero.doctor --checkpoint-dir $(dir $(OUT)) $(DOCTOR_ARGS)
+
+# Loss curves and tokens/s of a run (default: the last `make train`) as one PNG.
+plot: setup
+	$(BIN)/python -m deepzero.plot $(OUT)/metrics.jsonl -o $(OUT)/curves.png
+
+# CPU benchmarks (not tests; each run first waits for a quiet machine): results in bench/results/ and docs/performance.md.
+bench: data
+	$(BIN)/python -m bench.compare_loops && $(BIN)/python -m bench.scaling && $(BIN)/python -m bench.experts_impl
+
+# The prepared one-card GPU benchmark (matmul ceiling, dense and MoE MFU), under 8 minutes.
+bench-gpu: setup
+	PATH="$(CURDIR)/$(BIN):$$PATH" bench/gpu.sh
 
 clean:
 	rm -rf runs artifacts .pytest_cache

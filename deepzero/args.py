@@ -53,7 +53,10 @@ class TrainArgs:
     )
     max_nonfinite_steps: int = field(
         default=5,
-        **_help("Stop when the loss is NaN/inf this many optimizer steps in a row (fp16 overflows included)."),
+        **_help(
+            "Stop when the loss is NaN/inf this many optimizer steps in a row. fp16 gradient overflows leave the"
+            " loss finite (DeepSpeed skips the update and logs it in skipped_steps), so they do not count."
+        ),
     )
     resume: bool = field(default=False, **_help("Continue from the latest checkpoint in --out/checkpoints."))
     export: bool = field(
@@ -61,6 +64,13 @@ class TrainArgs:
     )
     report_to: Literal["none", "wandb", "tensorboard"] = field(default="none", **_help("Experiment tracker."))
     attn_implementation: str = field(default="sdpa", **_help("eager | sdpa | flash_attention_2"))
+    experts_impl: Literal["eager", "batched_mm", "grouped_mm"] | None = field(
+        default=None,
+        **_help(
+            "MoE experts kernel (Transformers' experts_implementation). Default: Transformers' choice, grouped_mm;"
+            " see docs/performance.md for measured speeds. MoE models only."
+        ),
+    )
     gradient_checkpointing: bool = field(default=False, **_help("Recompute activations in backward to save memory."))
     trust_remote_code: bool = field(default=False, **_help("Allow code from the model repo to run (off by default)."))
     device_map: str | None = field(

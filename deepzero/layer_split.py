@@ -62,6 +62,12 @@ class LayerSplitEngine:
         self.global_steps = 0
         self._grad_norm: torch.Tensor | None = None
 
+    def synchronize(self) -> None:
+        """Wait for every card of the placement (timing: the step's work ends on the last card)."""
+        for device in {torch_device(row.device) for row in self.placement.cards}:
+            if device.type == "cuda":
+                torch.cuda.synchronize(device)
+
     @property
     def training(self) -> bool:
         return self.module.training

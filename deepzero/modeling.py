@@ -69,6 +69,12 @@ def load_config(source: ModelSource, trust_remote_code: bool = False) -> Pretrai
         raise
 
 
+def is_moe(config: PretrainedConfig) -> bool:
+    """True for mixture-of-experts configs (DeepSeek-V2/V3 ``n_routed_experts``, Mixtral/Qwen-MoE style counts)."""
+    counts = (getattr(config, key, None) for key in ("n_routed_experts", "num_local_experts", "num_experts"))
+    return any(isinstance(n, int) and n > 0 for n in counts)
+
+
 def load_tokenizer(spec: str, trust_remote_code: bool = False) -> PreTrainedTokenizerBase:
     """AutoTokenizer.from_pretrained with a clear error; sets a pad token if the tokenizer has none."""
     try:
@@ -87,21 +93,35 @@ def build_model(
     vocab_size: int | None = None,
     dtype: torch.dtype = torch.float32,
     attn_implementation: str = "sdpa",
+    experts_implementation: str | None = None,
     trust_remote_code: bool = False,
 ) -> torch.nn.Module:
     """Random-init presets are built in fp32 (DeepSpeed casts them); pretrained weights load in the training
-    dtype, which halves host RAM per rank against fp32. For ZeRO-3 call ``zero3_context`` first."""
+    dtype, which halves host RAM per rank against fp32. For ZeRO-3 call ``zero3_context`` first.
+
+    ``experts_implementation`` (MoE models only; None keeps Transformers' default) selects the experts kernel.
+    """
     kwargs: dict[str, Any] = {"attn_implementation": attn_implementation, "trust_remote_code": trust_remote_code}
-    if source.random_init:
-        if vocab_size is not None:
-            config.vocab_size = vocab_size
-        return AutoModelForCausalLM.from_config(config, dtype=torch.float32, **kwargs)
+    if experts_implementation is not None:
+        kwargs["experts_implementation"] = experts_implementation
     try:
+        if source.random_init:
+            if vocab_size is not None:
+                config.vocab_size = vocab_size
+            return AutoModelForCausalLM.from_config(config, dtype=torch.float32, **kwargs)
         model = AutoModelForCausalLM.from_pretrained(
             source.pretrained, config=config, dtype=dtype, use_safetensors=_has_safetensors(source), **kwargs
         )
     except OSError as err:
         raise UserError(f"--model {source.spec}", f"cannot load weights ({_first_line(err)})", _offline_fix()) from None
+    except ValueError as err:
+        if experts_implementation is None or "experts implementation" not in str(err):
+            raise
+        raise UserError(
+            f"--experts-impl {experts_implementation}",
+            f"not supported by this model's code ({_first_line(err)})",
+            "drop --experts-impl",
+        ) from None
     if vocab_size is not None and vocab_size > model.get_input_embeddings().num_embeddings:
         model.resize_token_embeddings(vocab_size)
     return model

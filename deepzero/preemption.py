@@ -1,8 +1,9 @@
 """Graceful preemption: SIGTERM (SLURM, spot instances, the deepspeed launcher) → all ranks save, then exit 0.
 
 Launchers deliver the signal to ranks at different times (DeepSpeed's launcher terminates ranks one by one),
-so ranks agree through a tiny all-reduce at each step boundary. It runs on a separate gloo group over CPU
-tensors, so on GPUs it never waits for the device: it is no host-device sync.
+so ranks agree through a tiny all-reduce of a flag at each step boundary. It runs on its own gloo group over CPU
+tensors, so it never waits for a GPU, and it is asynchronous: the all-reduce started at one step is read at the
+next, so no rank waits there for the slowest one. All ranks stop at the same step, one step after the signal.
 """
 
 from __future__ import annotations
@@ -19,9 +20,8 @@ class StopRequest:
 
     def __init__(self) -> None:
         self.signal_name: str | None = None
-        self._group = None
-        if dist.is_initialized():
-            self._group = dist.new_group(backend="gloo") if dist.get_backend() != "gloo" else dist.group.WORLD
+        self._group = dist.new_group(backend="gloo") if dist.is_initialized() else None
+        self._pending: tuple[dist.Work, torch.Tensor] | None = None
         self._previous = {s: signal.signal(s, self._handle) for s in (signal.SIGTERM, signal.SIGINT)}
 
     def _handle(self, signum: int, frame: FrameType | None) -> None:
@@ -30,13 +30,27 @@ class StopRequest:
         self.signal_name = signal.Signals(signum).name
 
     def agreed(self) -> bool:
+        """Whether any rank had been signalled by the previous call (the same answer on every rank)."""
         flag = torch.tensor([1 if self.signal_name else 0], dtype=torch.int32)
-        if dist.is_initialized():
-            dist.all_reduce(flag, op=dist.ReduceOp.MAX, group=self._group)
-        if flag.item() and self.signal_name is None:
-            self.signal_name = "peer rank"
+        if self._group is None:
+            return bool(flag.item())
+        stop = self._wait_pending()
+        if stop:
+            self.signal_name = self.signal_name or "peer rank"
+        else:  # started now on every rank, read at the next call
+            self._pending = (dist.all_reduce(flag, op=dist.ReduceOp.MAX, group=self._group, async_op=True), flag)
+        return stop
+
+    def _wait_pending(self) -> bool:
+        if self._pending is None:
+            return False
+        work, flag = self._pending
+        work.wait()
+        self._pending = None
         return bool(flag.item())
 
     def restore(self) -> None:
+        """Finish the all-reduce still in flight and put back the previous signal handlers."""
+        self._wait_pending()
         for sig, handler in self._previous.items():
             signal.signal(sig, handler)

@@ -95,12 +95,16 @@ def test_resume_continues_the_uninterrupted_curve(zero2_run: tuple[Path, str], t
 
 
 def test_one_rank_and_three_ranks_give_the_same_curve(tiny_data: Path, tmp_path: Path) -> None:
-    """Same global batch (6 sequences): 1 rank × accumulation 3 versus 3 ranks × accumulation 1, in fp32."""
+    """Same global batch (6 sequences): 1 rank × accumulation 3 versus 3 ranks × accumulation 1, in fp32.
+
+    The 1-rank run also switches the MoE experts kernel (--experts-impl eager vs the default grouped_mm):
+    the kernel must change the speed, never the curve."""
     common = ["--deepspeed_config", "ds_configs/zero2.json", "--ds", "fp16.enabled=false", "train_batch_size=auto"]
     common += ["--max-steps", "8", "--eval-interval", "0", "--no-export", "--save-interval", "0", "--micro-batch", "2"]
     one, three = tmp_path / "one", tmp_path / "three"
-    launch([*tiny_args(tiny_data, one, "--grad-accum", "3"), *common], nproc=1)
-    launch([*tiny_args(tiny_data, three, "--grad-accum", "1"), *common], nproc=3)
+    one_log = launch([*tiny_args(tiny_data, one, "--grad-accum", "3", "--experts-impl", "eager"), *common], nproc=1)
+    three_log = launch([*tiny_args(tiny_data, three, "--grad-accum", "1"), *common], nproc=3)
+    assert "experts eager" in one_log.stdout and "experts grouped_mm" in three_log.stdout
     a, b = losses(one), losses(three)
     assert len(a) == len(b) == 8
     for step in a:
@@ -127,6 +131,7 @@ def test_local_pretrained_deepseek_v2_under_zero3_with_wandb_offline(tiny_data: 
     assert list((out / "wandb").glob("offline-run-*")), "wandb offline run missing"
     everything = proc.stdout + proc.stderr + (out / "run_config.json").read_text() + (out / "metrics.jsonl").read_text()
     assert "sk-secret-never-logged" not in everything
+    assert json.loads((out / "run_config.json").read_text())["env"]["WANDB_API_KEY"] == "***"  # seen, then redacted
     assert records(out, "export")[-1]["ok"]
     assert AutoConfig.from_pretrained(out / "hf").model_type == "deepseek_v2"
 
