@@ -68,8 +68,11 @@ def save(engine: Any, ckpt_dir: Path, state: TrainState, keep_last: int) -> Path
     """Save on all ranks, publish on rank 0, prune old checkpoints. Returns the published folder."""
     tag = tag_for(state.step)
     partial = f"{tag}.partial"
-    engine.save_checkpoint(str(ckpt_dir), tag=partial, client_state=state.to_client_state(), save_latest=False)
     rank = dist.get_rank() if dist.is_initialized() else 0
+    if rank == 0:  # left by a run that died mid-save: none of its files may be published with this one
+        shutil.rmtree(ckpt_dir / partial, ignore_errors=True)
+    _barrier()
+    engine.save_checkpoint(str(ckpt_dir), tag=partial, client_state=state.to_client_state(), save_latest=False)
     torch.save(_rng_state(), ckpt_dir / partial / f"rng_rank{rank:03d}.pt")
     _barrier()
     final = ckpt_dir / tag

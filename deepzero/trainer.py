@@ -2,12 +2,16 @@
 
 from __future__ import annotations
 
+import contextlib
+import errno
 import math
 import os
 import sys
+import tempfile
 import time
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
+from pathlib import Path
 from typing import Any
 
 import deepspeed
@@ -16,10 +20,17 @@ import torch.distributed as dist
 from deepspeed.accelerator import get_accelerator
 from tqdm.auto import tqdm
 
-from deepzero import checkpoint, dsconfig, modeling, report
+from deepzero import checkpoint, dsconfig, modeling, report, universal
 from deepzero.args import TrainArgs, parse_args
-from deepzero.data import GlobalBatchSampler, PackedDataset, check_enough_rows, load_meta, make_eval_loader
-from deepzero.distributed import init_distributed
+from deepzero.data import (
+    GlobalBatchSampler,
+    PackedDataset,
+    check_enough_rows,
+    load_meta,
+    make_eval_loader,
+    make_train_loader,
+)
+from deepzero.distributed import init_distributed, leave_distributed
 from deepzero.errors import UserError
 from deepzero.export import export_hf
 from deepzero.flops import flops_per_token, peak_tflops
@@ -65,6 +76,8 @@ class Run:
     dp_size: int = 1
     device: str = "cpu"
     history: list[dict[str, Any]] = field(default_factory=list)
+    last_saved_step: int = -1
+    """Step of the checkpoint this run last wrote or resumed from (the final save is skipped when it is current)."""
 
     @property
     def is_main(self) -> bool:
@@ -82,16 +95,16 @@ def main(argv: list[str] | None = None) -> int:
         run = setup(args)
         fit(run)
         finish(run)
-        return 0
     except Preempted as stop:
         if dist.is_initialized() and dist.get_rank() == 0:
             print(f"preempted: {stop}", flush=True)
-        return 0
     except UserError as err:
         if os.environ.get("RANK", "0") == "0" or dist.is_initialized():
             prefix = f"[rank {dist.get_rank()}] " if dist.is_initialized() and dist.get_rank() else ""
             print(f"{prefix}error: {err}", file=sys.stderr, flush=True)
         return 2
+    leave_distributed()
+    return 0
 
 
 @dataclass(frozen=True)
@@ -112,6 +125,7 @@ class RunPlan:
 
 def plan_run(args: TrainArgs, world: int) -> RunPlan:
     """Resolve the preset against the real world size, check data and model against each other."""
+    check_writable(args.out_dir)
     meta = load_meta(args.data)
     source = modeling.resolve_model(args.model)
     config = modeling.load_config(source, args.trust_remote_code)
@@ -125,6 +139,12 @@ def plan_run(args: TrainArgs, world: int) -> RunPlan:
         grad_accum=args.grad_accum,
         hidden_size=config.hidden_size,
     )
+    if args.experts_impl is not None and not modeling.is_moe(config):
+        raise UserError(
+            f"--experts-impl {args.experts_impl}",
+            f"--model {args.model} is a dense model (no routed experts)",
+            "drop --experts-impl",
+        )
     pipe = pipeline_settings(args)
     lora = LoraSpec.parse(args.lora) if args.lora is not None else None
     if lora is not None and (pipe is not None or args.device_map):
@@ -166,6 +186,30 @@ def plan_run(args: TrainArgs, world: int) -> RunPlan:
     return RunPlan(source, config, cfg, pipe, lr_source, seq_len, train_data, val_data, tokenizer, lora)
 
 
+def check_writable(out_dir: Path) -> None:
+    """Fail before any work when the run folder cannot be written (a file in the way, no permission, read-only).
+
+    Creates nothing: an existing folder is probed with a temporary file, a new one by its nearest existing parent.
+    """
+    try:
+        if out_dir.is_dir():
+            with tempfile.TemporaryFile(dir=out_dir):
+                return
+        parent = out_dir.absolute()
+        while not parent.exists():
+            parent = parent.parent
+        if not parent.is_dir():
+            raise NotADirectoryError(errno.ENOTDIR, os.strerror(errno.ENOTDIR), str(parent))
+        if not os.access(parent, os.W_OK | os.X_OK):
+            raise PermissionError(errno.EACCES, os.strerror(errno.EACCES), str(parent))
+    except OSError as err:
+        raise UserError(
+            f"--out {out_dir}",
+            f"cannot write the run folder ({err.strerror})",
+            "pass a folder you can write to with --out",
+        ) from None
+
+
 def pipeline_settings(args: TrainArgs) -> PipelineSettings | None:
     """The "pipeline" section of the preset (after --ds overrides), or None for ZeRO data parallel."""
     raw = dsconfig.load_json(args.deepspeed_config)
@@ -183,6 +227,7 @@ def build_engine(args: TrainArgs, plan: RunPlan) -> tuple[Any, torch.nn.Module, 
         vocab_size=len(plan.tokenizer),
         dtype=modeling.TORCH_DTYPES[plan.cfg.precision],
         attn_implementation=args.attn_implementation,
+        experts_implementation=args.experts_impl,
         trust_remote_code=args.trust_remote_code,
     )
     model.config.use_cache = False
@@ -208,6 +253,8 @@ def build_engine(args: TrainArgs, plan: RunPlan) -> tuple[Any, torch.nn.Module, 
 def setup(args: TrainArgs) -> Run:
     """Validate everything cheap first (preset, data, model config), then join the group and build the engine."""
     plan = plan_run(args, int(os.environ.get("WORLD_SIZE", "1")))
+    if args.resume:  # the first resume after `python -m deepzero.universal` loads the universal checkpoint
+        universal.configure_resume(plan.cfg.ds, args.checkpoint_dir)
     rank, world = init_distributed()
     engine, model, name_map = build_engine(args, plan)
     state = checkpoint.load(engine, args.checkpoint_dir) if args.resume else checkpoint.TrainState()
@@ -235,6 +282,8 @@ def setup(args: TrainArgs) -> Run:
         dp_size=grid.data_parallel_size if plan.pipe else world,
         device=str(engine.first_device) if args.device_map else get_accelerator().current_device_name(),
     )
+    if args.resume:
+        run.last_saved_step = state.step
     if run.is_main:
         report.write_run_config(run, run_config)
         report.print_header(run, plan.source.spec)
@@ -247,27 +296,37 @@ def _warn(message: str) -> None:
 
 
 def micro_batches(run: Run) -> Iterator[dict[str, torch.Tensor]]:
-    """This rank's micro-batches, starting where the checkpoint left off."""
+    """This rank's micro-batches, starting at the first sample the checkpoint had not seen (any world size)."""
     b = run.cfg.batch
+    start = universal.data_start_step(run.state.samples_seen, b.global_batch)
     sampler = GlobalBatchSampler(
-        len(run.train_data), b.micro, b.accum, run.dp_rank, run.dp_size, run.args.seed, start_step=run.state.step
+        len(run.train_data), b.micro, b.accum, run.dp_rank, run.dp_size, run.args.seed, start_step=start
     )
-    loader = torch.utils.data.DataLoader(
-        run.train_data, batch_sampler=sampler, num_workers=1, pin_memory=run.device.startswith("cuda")
-    )
-    for batch in loader:
-        yield {k: v.to(run.device, non_blocking=True) for k, v in batch.items()}
+    loader = make_train_loader(run.train_data, sampler, num_workers=1, pin_memory=run.device.startswith("cuda"))
+    batches = iter(loader)
+    try:
+        for batch in batches:
+            yield {k: v.to(run.device, non_blocking=True) for k, v in batch.items()}
+    finally:  # on close(): the iterator's __del__ stops the worker, which ignores SIGTERM (make_train_loader)
+        del batches
 
 
 def fit(run: Run) -> None:
-    """The loop: accumulate micro-batches, step, and sync with the host only at log/eval/save points."""
-    args, engine, batch = run.args, run.engine, run.cfg.batch
-    batches = pipeline_batches(micro_batches(run)) if run.pipe else micro_batches(run)
+    """Train to ``max_steps``. The data worker is stopped on every way out: the pipeline engine keeps a reference
+    to its data iterator, and a worker left to the interpreter's exit (which only sends it SIGTERM) would hang it."""
+    with contextlib.closing(micro_batches(run)) as source:
+        train_loop(run, pipeline_batches(source) if run.pipe else source)
+
+
+def train_loop(run: Run, batches: Iterator[Any]) -> None:
+    """The loop: accumulate micro-batches, step, and wait for the device only at log/eval/save points."""
+    args, batch = run.args, run.cfg.batch
     stop = StopRequest()
     bar = tqdm(total=args.max_steps, initial=run.state.step, disable=None if run.is_main else True, unit="step")
     loss_sum = torch.zeros((), device=run.device)
     bad_streak = torch.zeros((), dtype=torch.int64, device=run.device)  # consecutive steps with non-finite loss
-    window_start, window_steps = time.perf_counter(), 0
+    sync = getattr(run.engine, "synchronize", get_accelerator().synchronize)  # a layer split waits for all cards
+    window = Window(sync)
     while run.state.step < args.max_steps:
         step_loss = optimizer_step(run, batches)
         bad_streak = (bad_streak + 1) * (~torch.isfinite(step_loss))
@@ -275,36 +334,66 @@ def fit(run: Run) -> None:
         run.state.step += 1
         run.state.samples_seen += batch.global_batch
         run.state.tokens_seen += run.tokens_per_step
-        window_steps += 1
+        window.steps += 1
         bar.update(1)
         step = run.state.step
         if step % args.log_interval == 0 or step == args.max_steps:
-            elapsed = time.perf_counter() - window_start
-            record = report.train_record(run, loss_sum / (window_steps * batch.accum), window_steps, elapsed)
+            elapsed = window.elapsed()
+            record = report.train_record(run, loss_sum / (window.steps * batch.accum), window.steps, elapsed)
             bar.set_postfix(
                 loss=f"{record['loss']:.3f}", lr=f"{record['lr']:.2e}", tok_s=f"{record['tokens_per_s']:.0f}"
             )
             report.log(run, record, bar)
             check_finite(run, bad_streak)
             loss_sum.zero_()
-            window_start, window_steps = time.perf_counter(), 0
+            window = Window(sync)
         if run.val_data is not None and args.eval_interval and step % args.eval_interval == 0:
-            report.log(run, evaluate(run), bar)
+            with window.paused():
+                report.log(run, evaluate(run), bar)
         if args.save_interval and step % args.save_interval == 0 and check_finite(run, bad_streak):
-            checkpoint.save(engine, args.checkpoint_dir, run.state, args.keep_last)
+            with window.paused():
+                save_if_finite(run)
         if stop.agreed():
             bar.close()
-            checkpoint.save(engine, args.checkpoint_dir, run.state, args.keep_last)
-            raise Preempted(f"{stop.signal_name} at step {step}: checkpoint saved; continue with --resume")
+            if save_if_finite(run):
+                raise Preempted(f"{stop.signal_name} at step {step}: checkpoint saved; continue with --resume")
+            raise Preempted(f"{stop.signal_name} at step {step}: weights not finite, not saved; {_latest(run)}")
     bar.close()
     stop.restore()
+
+
+class Window:
+    """Wall time of the training steps since the last log point, with evaluation and checkpoint time left out.
+
+    The device is synchronised only where a window is read or paused (log/eval/save points), so the time is
+    that of finished work and the steps in between queue up without a host wait.
+    """
+
+    def __init__(self, synchronize: Callable[[], Any]) -> None:
+        self.synchronize = synchronize
+        synchronize()
+        self.start, self.steps = time.perf_counter(), 0
+
+    def elapsed(self) -> float:
+        self.synchronize()
+        return time.perf_counter() - self.start
+
+    @contextlib.contextmanager
+    def paused(self) -> Iterator[None]:
+        """Leave the time of the enclosed work out of this window."""
+        self.synchronize()
+        begin = time.perf_counter()
+        try:
+            yield
+        finally:
+            self.start += time.perf_counter() - begin
 
 
 def optimizer_step(run: Run, batches: Iterator[Any]) -> torch.Tensor:
     """One optimizer step over ``accum`` micro-batches; the sum of their losses, left on the device."""
     engine, accum = run.engine, run.cfg.batch.accum
     if run.pipe:  # DeepSpeed runs the whole 1F1B schedule and returns the mean micro-batch loss
-        return torch.tensor(train_step(engine, batches) * accum, device=run.device)
+        return train_step(engine, batches).float().to(run.device) * accum
     step_loss = torch.zeros((), device=run.device)
     for _ in range(accum):
         loss = engine(**next(batches)).loss
@@ -322,15 +411,50 @@ def check_finite(run: Run, bad_streak: torch.Tensor) -> bool:
     """True when the last step's loss was finite; stop the run after ``max_nonfinite_steps`` bad steps in a row."""
     streak = int(report.all_reduce_max(float(bad_streak.item())))
     if streak >= run.args.max_nonfinite_steps:
-        latest = checkpoint.latest_tag(run.args.checkpoint_dir) or "none"
         raise UserError(
             f"step {run.state.step}",
-            f"loss was NaN/inf for {streak} steps in a row; stopped without saving (latest checkpoint: {latest})",
+            f"loss was NaN/inf for {streak} steps in a row; stopped without saving ({_latest(run)})",
             "lower --lr or raise --warmup-steps, try bf16 (ds_configs/zero2_bf16.json), check the data; then --resume",
         )
     if streak and run.is_main:
         print(f"warning: step {run.state.step}: loss not finite for {streak} step(s); not saving a checkpoint now")
     return streak == 0
+
+
+def _latest(run: Run) -> str:
+    return f"latest checkpoint: {checkpoint.latest_tag(run.args.checkpoint_dir) or 'none'}"
+
+
+@torch.no_grad()
+def weights_finite(run: Run) -> bool:
+    """True when every rank's parameters (under ZeRO-3: its partitions) hold no NaN/inf.
+
+    A finite loss at step s was computed before update s, so only the weights say whether that update broke them.
+    """
+    module = getattr(run.engine, "module", run.model)
+    finite = all(bool(torch.isfinite(_local_values(p)).all()) for p in module.parameters())
+    return report.all_reduce_max(0.0 if finite else 1.0) == 0.0
+
+
+def _local_values(param: torch.Tensor) -> torch.Tensor:
+    """The values this rank holds: the whole tensor, or under ZeRO-3 its partition without the padding at the
+    end of the last one (DeepSpeed allocates that with torch.empty, so it holds whatever the memory held)."""
+    part = getattr(param, "ds_tensor", None)
+    if part is None:
+        return param
+    start = part.ds_numel * dist.get_rank(group=param.ds_process_group)
+    return part.narrow(0, 0, max(0, min(part.numel(), param.ds_numel - start)))  # numel 0: swapped out to NVMe
+
+
+def save_if_finite(run: Run) -> bool:
+    """Save a checkpoint unless the weights are broken (then keep the last good one and say so); True if saved."""
+    if not weights_finite(run):
+        if run.is_main:
+            print(f"warning: step {run.state.step}: weights hold NaN/inf; not saving a checkpoint ({_latest(run)})")
+        return False
+    checkpoint.save(run.engine, run.args.checkpoint_dir, run.state, run.args.keep_last)
+    run.last_saved_step = run.state.step
+    return True
 
 
 @torch.no_grad()
@@ -359,8 +483,12 @@ def evaluate(run: Run) -> dict[str, Any]:
 def finish(run: Run) -> None:
     """Final checkpoint, final eval, HF export with a logit check, and a one-screen summary."""
     args = run.args
-    if not args.save_interval or run.state.step % args.save_interval:
-        checkpoint.save(run.engine, args.checkpoint_dir, run.state, args.keep_last)
+    if run.last_saved_step != run.state.step and not save_if_finite(run):
+        raise UserError(
+            f"step {run.state.step}",
+            f"the final weights hold NaN/inf; not saved or exported ({_latest(run)})",
+            "lower --lr or raise --warmup-steps, try bf16 (ds_configs/zero2_bf16.json); then --resume",
+        )
     if run.val_data is not None and args.eval_interval and run.state.step % args.eval_interval:
         report.log(run, evaluate(run), None)
     if args.export:

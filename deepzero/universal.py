@@ -6,11 +6,12 @@ it only with the world size that wrote it. ``ds_to_universal`` rewrites it as on
 ``"checkpoint": {"load_universal": true}``:
 
     python -m deepzero.universal runs/default      # checkpoints/<latest>.universal; 'latest' now points to it
-    deepspeed --num_gpus=2 train.py ... --out runs/default --resume --ds checkpoint.load_universal=true
+    deepspeed --num_gpus=2 train.py ... --out runs/default --resume
 
-Only the first resume needs ``load_universal``: the checkpoints that run saves are ordinary ZeRO ones again
-(:func:`configure_resume` sets the flag from what ``latest`` points to). The global batch changes with the world
-size, so the data position is continued from ``samples_seen``, not from the step count: :func:`data_start_step`.
+Only the first resume needs ``load_universal``: the checkpoints that run saves are ordinary ZeRO ones again.
+train.py sets the flag on ``--resume`` from what ``latest`` points to (:func:`configure_resume`), so the command
+line stays the same. The global batch changes with the world size, so the data position is continued from
+``samples_seen``, not from the step count: :func:`data_start_step`.
 """
 
 from __future__ import annotations
@@ -133,7 +134,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         return 2
     run_dir = final.parent.parent if final.parent.name == "checkpoints" else final.parent
     print(f"universal: wrote {final}; 'latest' points to it")
-    print(f"resume on any number of ranks: train.py ... --out {run_dir} --resume --ds checkpoint.load_universal=true")
+    print(f"resume on any number of ranks: train.py ... --out {run_dir} --resume")
     return 0
 
 

@@ -26,9 +26,10 @@ def free_port() -> int:
 
 
 def cpu_env(**extra: str) -> dict[str, str]:
-    env = {**os.environ, "DS_ACCELERATOR": "cpu", "OMP_NUM_THREADS": "1", "PYTHONUNBUFFERED": "1", **extra}
+    """The machine's environment for a CPU run: no real wandb key leaks in; a test may pass one in ``extra``."""
+    env = {**os.environ, "DS_ACCELERATOR": "cpu", "OMP_NUM_THREADS": "1", "PYTHONUNBUFFERED": "1"}
     env.pop("WANDB_API_KEY", None)
-    return env
+    return {**env, **extra}
 
 
 def prepare(out: Path, *extra: str, inputs: list[Path] | None = None, seq_len: int = 64) -> Path:

@@ -277,13 +277,6 @@ def test_zero3_bf16_resume_after_preemption_continues_the_uninterrupted_curve(
 
 
 @launcher
-@pytest.mark.xfail(
-    strict=True,
-    reason="trainer.micro_batches: the DataLoader worker dies on a SIGTERM sent to the whole process group "
-    "(SLURM, `kill -TERM -PGID`, DeepSpeed's launcher terminating a rank's process tree) and the rank crashes "
-    "with 'DataLoader worker ... is killed by signal: Terminated' instead of saving; fix: worker_init_fn that "
-    "ignores SIGTERM/SIGINT",
-)
 def test_sigterm_to_the_whole_process_group_still_saves(tiny_data: Path, tmp_path: Path, cleanup: list[Job]) -> None:
     """One rank started directly (as srun or torchrun start ranks); SIGTERM reaches its DataLoader worker too."""
     out = tmp_path / "run"
@@ -329,9 +322,7 @@ def universal_resume(
         str(HALF),
         "--save-interval",
         str(HALF),
-        "--resume",
-        "--ds",
-        "checkpoint.load_universal=true",
+        "--resume",  # train.py turns load_universal on because 'latest' names a universal checkpoint
     ]
     proc = launch([*ZERO3, *args], nproc=2)
     return out, proc.stdout + proc.stderr
@@ -501,12 +492,6 @@ def test_resume_after_sigkill_loads_the_published_checkpoint(resumed_after_kill:
 
 
 @launcher
-@pytest.mark.xfail(
-    strict=True,
-    reason="checkpoint.save writes into an existing '<tag>.partial' left by a crashed run and publishes its stale "
-    "files (e.g. the optimizer shards of ranks that no longer exist); fix: rank 0 removes the stale .partial folder "
-    "and all ranks barrier before engine.save_checkpoint",
-)
 def test_a_stale_partial_folder_is_not_published(resumed_after_kill: tuple[Path, int, str]) -> None:
     out, stopped, _ = resumed_after_kill
     assert not (out / "checkpoints" / tag_for(stopped + 1) / "left_by_the_killed_run.pt").exists()
@@ -581,12 +566,6 @@ def test_nan_loss_for_k_steps_stops_with_one_clear_line_naming_the_last_good_che
 
 
 @launcher
-@pytest.mark.xfail(
-    strict=True,
-    reason="trainer.fit saves at step s when loss(s) is finite, but loss(s) was computed before update s: the "
-    "update that makes the weights NaN is saved and named as the good checkpoint; fix: check the weights "
-    "(all-reduced torch.isfinite over each rank's parameters) before every save",
-)
 def test_the_checkpoint_kept_after_nan_holds_finite_weights(nan_run: tuple[Path, subprocess.CompletedProcess]) -> None:
     from deepspeed.utils.zero_to_fp32 import get_fp32_state_dict_from_zero_checkpoint
 
@@ -594,6 +573,26 @@ def test_the_checkpoint_kept_after_nan_holds_finite_weights(nan_run: tuple[Path,
     state = get_fp32_state_dict_from_zero_checkpoint(str(out / "checkpoints"))
     bad = [name for name, tensor in state.items() if not torch.isfinite(tensor).all()]
     assert not bad, f"{len(bad)} of {len(state)} tensors hold NaN/inf, e.g. {bad[:3]}"
+
+
+@launcher
+def test_a_run_that_ends_with_broken_weights_neither_saves_nor_exports_them(tiny_data: Path, tmp_path: Path) -> None:
+    """The NaN learning rate again, but the run ends (3 steps) before --max-nonfinite-steps (5) is reached: the
+    final save and the HF export must refuse the broken weights with one line and keep the last good checkpoint."""
+    out = tmp_path / "run"
+    args = tiny_args(tiny_data, out, "--max-steps", "3", "--save-interval", "1")
+    args[args.index("3e-3")] = "nan"
+    args += ["--warmup-steps", "1", "--max-nonfinite-steps", "5", "--ds", "fp16.enabled=false"]
+    proc = launch([*ZERO2, *args], nproc=2, check=False)
+    assert proc.returncode == 2, proc.stderr[-3000:]
+    latest = latest_tag(out / "checkpoints")
+    assert latest is not None and int(latest[4:]) < 3
+    assert error_lines(proc.stderr) == [
+        f"error: step 3: the final weights hold NaN/inf; not saved or exported (latest checkpoint: {latest}). "
+        "Fix: lower --lr or raise --warmup-steps, try bf16 (ds_configs/zero2_bf16.json); then --resume"
+    ], proc.stderr[-3000:]
+    assert "Traceback" not in proc.stderr
+    assert not (out / "hf").exists()
 
 
 # ------------------------------------------------------------------------------------------ 8: security

@@ -13,6 +13,7 @@ cross-entropy of ``logits[:, t]`` against ``row[t + 1]`` over every position (te
 from __future__ import annotations
 
 import json
+import signal
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
@@ -162,8 +163,24 @@ class GlobalBatchSampler:
 def make_train_loader(
     dataset: Dataset, sampler: GlobalBatchSampler, num_workers: int = 0, pin_memory: bool = False
 ) -> DataLoader:
-    """An endless DataLoader of micro-batches in the sampler's order."""
-    return DataLoader(dataset, batch_sampler=sampler, num_workers=num_workers, pin_memory=pin_memory)
+    """An endless DataLoader of micro-batches in the sampler's order.
+
+    Its workers ignore SIGTERM/SIGINT: a signal sent to the whole process group (SLURM, ``kill -TERM -PGID``,
+    Ctrl-C) must reach the training process's save-and-exit path, not kill the worker it reads from. So the
+    owner must stop them by dropping the loader's iterator (a plain SIGTERM at interpreter exit no longer does).
+    """
+    return DataLoader(
+        dataset,
+        batch_sampler=sampler,
+        num_workers=num_workers,
+        pin_memory=pin_memory,
+        worker_init_fn=_ignore_stop_signals if num_workers else None,
+    )
+
+
+def _ignore_stop_signals(worker_id: int) -> None:
+    signal.signal(signal.SIGTERM, signal.SIG_IGN)
+    signal.signal(signal.SIGINT, signal.SIG_IGN)
 
 
 def eval_indices(n_rows: int, rank: int, world: int, max_rows: int | None = None) -> list[int]:
