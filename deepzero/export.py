@@ -31,6 +31,11 @@ class ExportReport:
     def ok(self) -> bool:
         return self.max_abs_logit_diff <= 1e-3
 
+    @classmethod
+    def measured(cls, out_dir: Path, diff: torch.Tensor, dtype: torch.dtype) -> ExportReport:
+        """The report of :func:`publish_and_compare`'s result."""
+        return cls(str(out_dir), diff.max().item(), str(dtype).removeprefix("torch."))
+
 
 def consolidated_state_dict(engine: Any) -> dict[str, torch.Tensor] | None:
     """Full 16-bit weights on rank 0 (ZeRO-3 gathers partitions; a collective, so call it on every rank)."""
@@ -42,19 +47,29 @@ def consolidated_state_dict(engine: Any) -> dict[str, torch.Tensor] | None:
 @torch.no_grad()
 def export_hf(engine: Any, tokenizer: Any, out_dir: Path, probe: dict[str, torch.Tensor]) -> ExportReport | None:
     """Write ``out_dir`` atomically on rank 0, reload it with from_pretrained, compare logits with the engine."""
-    was_training = engine.training
-    engine.eval()
-    engine_logits = engine(input_ids=probe["input_ids"]).logits.float().cpu()
-    if was_training:
-        engine.train()
+    engine_logits = eval_logits(engine, probe)
     state_dict = consolidated_state_dict(engine)
     report = None
     if engine.global_rank == 0:
+        dtype = next(iter(state_dict.values())).dtype  # read first: save_pretrained may consume the dict
+        attn = attn_implementation_of(engine.module)
         with _zero3_init_off():
-            report = _write_and_verify(engine, tokenizer, out_dir, state_dict, probe, engine_logits)
+            diff = publish_and_compare(engine.module, tokenizer, out_dir, probe, engine_logits, dtype, attn, state_dict)
+        report = ExportReport.measured(out_dir, diff, dtype)
     if dist.is_initialized():
         dist.barrier()
     return report
+
+
+@torch.no_grad()
+def eval_logits(engine: Any, probe: dict[str, torch.Tensor]) -> torch.Tensor:
+    """The engine's fp32 logits for ``probe`` in eval mode (a forward: under ZeRO-3 every rank must call it)."""
+    was_training = engine.training
+    engine.eval()
+    logits = engine(input_ids=probe["input_ids"]).logits.float().cpu()
+    if was_training:
+        engine.train()
+    return logits
 
 
 @contextlib.contextmanager
@@ -70,14 +85,19 @@ def _zero3_init_off() -> Iterator[None]:
         hf_deepspeed._hf_deepspeed_config_weak_ref = saved
 
 
-def _write_and_verify(
-    engine: Any, tokenizer: Any, out_dir: Path, state_dict: dict, probe: dict, engine_logits: torch.Tensor
-) -> ExportReport:
-    """Publish on rank 0, reload and compare logits with the engine's."""
-    dtype = next(iter(state_dict.values())).dtype  # read first: save_pretrained may consume the dict
-    publish_hf(engine.module, tokenizer, out_dir, state_dict)
-    diff = (reloaded_logits(out_dir, dtype, _attn(engine.module), probe) - engine_logits).abs().max().item()
-    return ExportReport(str(out_dir), diff, str(dtype).removeprefix("torch."))
+def publish_and_compare(
+    model: Any,
+    tokenizer: Any,
+    out_dir: Path,
+    probe: dict[str, torch.Tensor],
+    engine_logits: torch.Tensor,
+    dtype: torch.dtype,
+    attn_implementation: str,
+    state_dict: dict | None = None,
+) -> torch.Tensor:
+    """Publish ``model`` (:func:`publish_hf`), reload it in ``dtype`` and return |reloaded − engine| logits."""
+    publish_hf(model, tokenizer, out_dir, state_dict)
+    return (reloaded_logits(out_dir, dtype, attn_implementation, probe) - engine_logits).abs()
 
 
 def publish_hf(model: Any, tokenizer: Any, out_dir: Path, state_dict: dict | None = None) -> None:
@@ -101,7 +121,8 @@ def reloaded_logits(out_dir: Path, dtype: torch.dtype, attn_implementation: str,
     return reloaded(input_ids=probe["input_ids"].cpu()).logits.float()
 
 
-def _attn(module: torch.nn.Module) -> str:
+def attn_implementation_of(module: torch.nn.Module) -> str:
+    """The attention kernel ``module`` was built with, to reload its export the same way."""
     return getattr(module.config, "_attn_implementation", None) or "sdpa"
 
 

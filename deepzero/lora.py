@@ -45,11 +45,11 @@ import torch.distributed as dist
 from deepzero.errors import UserError
 from deepzero.export import (
     ExportReport,
-    _attn,
     _zero3_init_off,
+    attn_implementation_of,
     consolidated_state_dict,
-    publish_hf,
-    reloaded_logits,
+    eval_logits,
+    publish_and_compare,
 )
 
 FLAG = "--lora"
@@ -396,11 +396,7 @@ def export_lora_hf(
 ) -> LoraExportReport | None:
     """Merge the adapters and write a plain HF folder (safetensors, original names) on rank 0; reload it without
     peft and compare logits on ``probe`` with the engine. Every rank must call it (ZeRO-3 gathers inside)."""
-    was_training = engine.training
-    engine.eval()
-    engine_logits = engine(input_ids=probe["input_ids"]).logits.float().cpu()
-    if was_training:
-        engine.train()
+    engine_logits = eval_logits(engine, probe)
     state_dict = consolidated_state_dict(engine)
     report = None
     if engine.global_rank == 0:
@@ -410,33 +406,19 @@ def export_lora_hf(
         with _zero3_init_off():
             merged = merged_model(state_dict, peft_model.peft_config["default"], base.config)
             del state_dict
-            report = _write_and_verify(merged, tokenizer, out_dir, probe, engine_logits, _attn(base), wrapped)
+            attn = attn_implementation_of(base)
+            diff = publish_and_compare(merged, tokenizer, out_dir, probe, engine_logits, merged.dtype, attn)
+            report = LoraExportReport(
+                str(out_dir),
+                diff.max().item(),
+                str(merged.dtype).removeprefix("torch."),
+                median_token_logit_diff=diff.amax(-1).median().item(),
+                tolerance=TOLERANCE.get(merged.dtype, 1e-3),
+                merged_modules=wrapped,
+            )
     if dist.is_initialized():
         dist.barrier()
     return report
-
-
-def _write_and_verify(
-    merged: torch.nn.Module,
-    tokenizer: Any,
-    out_dir: Path,
-    probe: dict[str, torch.Tensor],
-    engine_logits: torch.Tensor,
-    attn_implementation: str,
-    wrapped: int,
-) -> LoraExportReport:
-    """Publish, reload with plain Transformers (no peft), compare logits with the engine's."""
-    publish_hf(merged, tokenizer, out_dir)
-    dtype = merged.dtype
-    diff = (reloaded_logits(out_dir, dtype, attn_implementation, probe) - engine_logits).abs()
-    return LoraExportReport(
-        str(out_dir),
-        diff.max().item(),
-        str(dtype).removeprefix("torch."),
-        median_token_logit_diff=diff.amax(-1).median().item(),
-        tolerance=TOLERANCE.get(dtype, 1e-3),
-        merged_modules=wrapped,
-    )
 
 
 def _rank() -> int:

@@ -35,7 +35,7 @@ from torch import nn
 
 from deepzero.data import IGNORE_INDEX
 from deepzero.errors import UserError
-from deepzero.export import ExportReport, _attn, publish_hf, reloaded_logits
+from deepzero.export import ExportReport, attn_implementation_of, publish_and_compare
 
 PARTITION_METHODS = ("parameters", "uniform")
 
@@ -315,8 +315,8 @@ def export_pipeline_hf(
     if state_dict is not None:
         out_dir = Path(out_dir)
         dtype = state_dict[name_map["0.embed_tokens.weight"]].dtype
-        publish_hf(model, tokenizer, out_dir, state_dict)
-        diff = (reloaded_logits(out_dir, dtype, _attn(model), probe) - engine_logits).abs().max().item()
-        report = ExportReport(str(out_dir), diff, str(dtype).removeprefix("torch."))
+        attn = attn_implementation_of(model)
+        diff = publish_and_compare(model, tokenizer, out_dir, probe, engine_logits, dtype, attn, state_dict)
+        report = ExportReport.measured(out_dir, diff, dtype)
     dist.barrier()
     return report
