@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import Any
 
 import torch
 
@@ -17,6 +18,16 @@ PEAK_TFLOPS = {
     "RTX 3090": 71.0,
     "A6000": 154.8,
 }
+
+
+def routed_experts(config: Any) -> int:
+    """Routed experts per MoE layer (DeepSeek ``n_routed_experts``, Mixtral ``num_local_experts``, Qwen-MoE
+    ``num_experts``); 0 for a dense model."""
+    for key in ("n_routed_experts", "num_local_experts", "num_experts"):
+        n = getattr(config, key, None)
+        if isinstance(n, int) and n > 0:
+            return n
+    return 0
 
 
 @dataclass(frozen=True)
@@ -36,7 +47,7 @@ def count_params(model: torch.nn.Module) -> ParamCounts:
 
     total = sum(numel(p) for p in model.parameters())
     embedding = sum(numel(p) for p in model.get_input_embeddings().parameters())
-    n_experts = getattr(config, "n_routed_experts", None) or getattr(config, "num_experts", None)
+    n_experts = routed_experts(config)
     top_k = getattr(config, "num_experts_per_tok", None)
     routed = 0
     if n_experts and top_k:

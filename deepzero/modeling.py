@@ -69,12 +69,6 @@ def load_config(source: ModelSource, trust_remote_code: bool = False) -> Pretrai
         raise
 
 
-def is_moe(config: PretrainedConfig) -> bool:
-    """True for mixture-of-experts configs (DeepSeek-V2/V3 ``n_routed_experts``, Mixtral/Qwen-MoE style counts)."""
-    counts = (getattr(config, key, None) for key in ("n_routed_experts", "num_local_experts", "num_experts"))
-    return any(isinstance(n, int) and n > 0 for n in counts)
-
-
 def load_tokenizer(spec: str, trust_remote_code: bool = False) -> PreTrainedTokenizerBase:
     """AutoTokenizer.from_pretrained with a clear error; sets a pad token if the tokenizer has none."""
     try:

@@ -21,6 +21,7 @@ import torch
 from transformers import AutoConfig, AutoModelForCausalLM, PretrainedConfig
 
 from deepzero.errors import UserError
+from deepzero.flops import routed_experts
 from deepzero.presets import PRESETS
 
 GiB = 2**30
@@ -119,7 +120,7 @@ def _arch(config: PretrainedConfig, model: torch.nn.Module) -> Arch:
     heads = c.num_attention_heads
     layers = list(model.model.layers)
     moe = [layer.mlp for layer in layers if hasattr(layer.mlp, "experts")]
-    experts = getattr(c, "n_routed_experts", None) or getattr(c, "num_local_experts", None) or 0
+    experts = routed_experts(c)
     n_shared = getattr(c, "n_shared_experts", None) or 0
     moe_inter = getattr(c, "moe_intermediate_size", 0) or 0
     return Arch(

@@ -11,9 +11,8 @@ import torch.distributed as dist
 from deepspeed.accelerator import get_accelerator
 from tqdm.auto import tqdm
 
-from deepzero.flops import count_params
+from deepzero.flops import count_params, routed_experts
 from deepzero.metrics import peak_memory_gb
-from deepzero.modeling import is_moe
 
 if TYPE_CHECKING:
     from deepzero.trainer import Run
@@ -100,7 +99,7 @@ def print_header(run: Run, model_name: str) -> None:
     lines = [
         f"model: {model_name}  params {counts.total / 1e6:,.2f}M (active {counts.active / 1e6:,.2f}M)"
         f"  attention {run.model.config._attn_implementation}"
-        + (f"  experts {run.model.config._experts_implementation}" if is_moe(run.model.config) else ""),
+        + (f"  experts {run.model.config._experts_implementation}" if routed_experts(run.model.config) else ""),
         f"deepspeed: {cfg.path}  ZeRO-{cfg.zero_stage}  {cfg.precision}"
         + (f"  offload {'+'.join(cfg.offload)}" if cfg.offload else "")
         + (f"  layer split over {len(run.engine.placement.cards)} cards" if run.args.device_map else "")

@@ -33,7 +33,7 @@ from deepzero.data import (
 from deepzero.distributed import init_distributed, leave_distributed
 from deepzero.errors import UserError
 from deepzero.export import export_hf
-from deepzero.flops import flops_per_token, peak_tflops
+from deepzero.flops import flops_per_token, peak_tflops, routed_experts
 from deepzero.layer_split import LayerSplitEngine, parse_devices, place_model
 from deepzero.lora import LoraSpec, apply_lora, export_lora_hf, is_lora
 from deepzero.metrics import MetricsSink, redact
@@ -139,7 +139,7 @@ def plan_run(args: TrainArgs, world: int) -> RunPlan:
         grad_accum=args.grad_accum,
         hidden_size=config.hidden_size,
     )
-    if args.experts_impl is not None and not modeling.is_moe(config):
+    if args.experts_impl is not None and not routed_experts(config):
         raise UserError(
             f"--experts-impl {args.experts_impl}",
             f"--model {args.model} is a dense model (no routed experts)",
