@@ -303,12 +303,8 @@ def micro_batches(run: Run) -> Iterator[dict[str, torch.Tensor]]:
         len(run.train_data), b.micro, b.accum, run.dp_rank, run.dp_size, run.args.seed, start_step=start
     )
     loader = make_train_loader(run.train_data, sampler, num_workers=1, pin_memory=run.device.startswith("cuda"))
-    batches = iter(loader)
-    try:
-        for batch in batches:
-            yield {k: v.to(run.device, non_blocking=True) for k, v in batch.items()}
-    finally:  # on close(): the iterator's __del__ stops the worker, which ignores SIGTERM (make_train_loader)
-        del batches
+    for batch in loader:  # closing this generator (fit) frees the loader's iterator, which stops its worker
+        yield {k: v.to(run.device, non_blocking=True) for k, v in batch.items()}
 
 
 def fit(run: Run) -> None:
