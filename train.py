@@ -4,9 +4,8 @@ deepspeed --num_gpus=3 train.py --deepspeed_config ds_configs/zero2.json
 python train.py --help
 """
 
-import sys
-
+from deepzero.distributed import exit_process
 from deepzero.trainer import main
 
 if __name__ == "__main__":
-    sys.exit(main())
+    exit_process(main())

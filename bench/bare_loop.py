@@ -23,7 +23,7 @@ import torch
 
 from deepzero import dsconfig, modeling
 from deepzero.data import GlobalBatchSampler, PackedDataset, load_meta
-from deepzero.distributed import leave_distributed
+from deepzero.distributed import exit_process, leave_distributed
 
 
 @dataclass
@@ -141,3 +141,4 @@ def main(argv: list[str] | None = None) -> None:
 
 if __name__ == "__main__":
     main()
+    exit_process(0)

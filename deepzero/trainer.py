@@ -30,7 +30,7 @@ from deepzero.data import (
     make_eval_loader,
     make_train_loader,
 )
-from deepzero.distributed import init_distributed, leave_distributed
+from deepzero.distributed import exit_process, init_distributed, leave_distributed
 from deepzero.errors import UserError
 from deepzero.export import export_hf
 from deepzero.flops import flops_per_token, peak_tflops, routed_experts
@@ -90,6 +90,7 @@ class Run:
 
 def main(argv: list[str] | None = None) -> int:
     """Entry point of train.py: one clear line and exit code 2 for bad input, never a deep stack trace."""
+    run = None
     try:
         args = parse_args(argv)
         run = setup(args)
@@ -103,6 +104,9 @@ def main(argv: list[str] | None = None) -> int:
             prefix = f"[rank {dist.get_rank()}] " if dist.is_initialized() and dist.get_rank() else ""
             print(f"{prefix}error: {err}", file=sys.stderr, flush=True)
         return 2
+    finally:  # on every way out: the entry point ends without interpreter shutdown (exit_process)
+        if run is not None:
+            run.sink.close()
     leave_distributed()
     return 0
 
@@ -504,8 +508,7 @@ def finish(run: Run) -> None:
                 raise RuntimeError(f"export differs from the engine: max |Δlogit| {exported.max_abs_logit_diff}")
     if run.is_main:
         report.print_summary(run)
-    run.sink.close()
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    exit_process(main())

@@ -25,7 +25,7 @@ from transformers import AutoModelForCausalLM
 
 from deepzero import checkpoint, dsconfig, modeling
 from deepzero.data import GlobalBatchSampler, PackedDataset, load_meta, make_eval_loader, make_train_loader
-from deepzero.distributed import init_distributed, leave_distributed
+from deepzero.distributed import exit_process, init_distributed, leave_distributed
 from deepzero.pipeline import (
     PipelineSettings,
     build_pipeline_engine,
@@ -137,3 +137,4 @@ def main() -> None:
 
 if __name__ == "__main__":
     main()
+    exit_process(0)

@@ -23,7 +23,7 @@ import torch
 import torch.distributed as dist
 from transformers import AutoModelForCausalLM
 
-from deepzero.distributed import init_distributed, leave_distributed
+from deepzero.distributed import exit_process, init_distributed, leave_distributed
 from deepzero.presets import get_preset
 
 SEQ_LEN = 32
@@ -135,3 +135,4 @@ def main() -> None:
 
 if __name__ == "__main__":
     main()
+    exit_process(0)
