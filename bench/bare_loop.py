@@ -23,7 +23,7 @@ import torch
 
 from deepzero import dsconfig, modeling
 from deepzero.data import GlobalBatchSampler, PackedDataset, load_meta
-from deepzero.distributed import exit_process, leave_distributed
+from deepzero.distributed import exit_process
 
 
 @dataclass
@@ -136,7 +136,6 @@ def main(argv: list[str] | None = None) -> None:
     if rank == 0:
         write_step_times(Path(args.out), step_ends, args.log_interval, {"loop": "bare"})
         print(f"bare loop: {args.max_steps} steps, {b.describe(built.seq_len)}, last micro-batch loss {final_loss:.3f}")
-    leave_distributed()
 
 
 if __name__ == "__main__":

@@ -359,9 +359,6 @@ def main(argv: list[str] | None = None) -> int:
     out.mkdir(parents=True, exist_ok=True)
     name = "matmul" if args.command == "matmul" else f"train-{args.case}"
     (out / f"{name}.json").write_text(json.dumps(result, indent=2) + "\n")
-    from deepzero.distributed import leave_distributed
-
-    leave_distributed()
     return 0
 
 

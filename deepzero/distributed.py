@@ -33,23 +33,16 @@ def init_distributed() -> tuple[int, int]:
     return dist.get_rank(), dist.get_world_size()
 
 
-def leave_distributed() -> None:
-    """Tear the process group down at the end of a successful run (NCCL flushes pending work and frees its
-    communicators). Only on the success path: after an error a peer may still be inside a collective, and
-    tearing down under it can hang."""
-    if dist.is_initialized():
-        dist.destroy_process_group()
-
-
 def exit_process(code: int) -> NoReturn:
     """End an entry point that joined a process group with ``code``, skipping interpreter shutdown.
 
-    gloo's worker threads outlive ``destroy_process_group`` (its backend has no shutdown) and a worker may still be
-    releasing the tensors of the last collective, which needs the GIL. If the interpreter is shutting down by
-    then, the thread is torn down inside a C++ destructor and the process aborts after its work is done
-    ("terminate called without an active exception", exit -6: seen in CI, about 1 launch in 30 here; core dump:
-    ProcessGroupGloo::runLoop → ~AsyncAllgatherWork → take_gil during Py_FinalizeEx). So callers close their
-    files and trackers first; this flushes stdio and leaves with ``os._exit``.
+    A gloo worker thread may still be releasing the tensors of the last collective, which needs the GIL. During
+    interpreter shutdown that aborts the process after its work is done ("terminate called without an active
+    exception", exit -6: seen in CI, about 1 launch in 30 here; core dump: ProcessGroupGloo::runLoop →
+    ~AsyncAllgatherWork → take_gil during Py_FinalizeEx). ``destroy_process_group`` is no cure: gloo's threads
+    outlive it, and tearing a group down is itself a known source of hangs (pytorch/pytorch#75097, #56297); a CI
+    run hung in the launch that first called it. So the group is left to the OS: callers close their files and
+    trackers first, every collective has returned by then, and this flushes stdio and leaves with ``os._exit``.
     """
     sys.stdout.flush()
     sys.stderr.flush()

@@ -30,7 +30,7 @@ from deepzero.data import (
     make_eval_loader,
     make_train_loader,
 )
-from deepzero.distributed import exit_process, init_distributed, leave_distributed
+from deepzero.distributed import exit_process, init_distributed
 from deepzero.errors import UserError
 from deepzero.export import export_hf
 from deepzero.flops import flops_per_token, peak_tflops, routed_experts
@@ -107,7 +107,6 @@ def main(argv: list[str] | None = None) -> int:
     finally:  # on every way out: the entry point ends without interpreter shutdown (exit_process)
         if run is not None:
             run.sink.close()
-    leave_distributed()
     return 0
 
 

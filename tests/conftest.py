@@ -2,8 +2,10 @@
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
+import signal
 import socket
 import subprocess
 import sys
@@ -28,8 +30,33 @@ def free_port() -> int:
 def cpu_env(**extra: str) -> dict[str, str]:
     """The machine's environment for a CPU run: no real wandb key leaks in; a test may pass one in ``extra``."""
     env = {**os.environ, "DS_ACCELERATOR": "cpu", "OMP_NUM_THREADS": "1", "PYTHONUNBUFFERED": "1"}
+    env["PYTHONFAULTHANDLER"] = "1"  # a rank that aborts or is stopped by run_bounded prints its Python stacks
     env.pop("WANDB_API_KEY", None)
     return {**env, **extra}
+
+
+def run_bounded(cmd: list[str], timeout: float, env: dict[str, str] | None = None) -> subprocess.CompletedProcess[str]:
+    """``subprocess.run(cmd, capture_output=True)`` for a command that spawns ranks or workers, in its own session.
+
+    On timeout the whole session is stopped, not just ``cmd``: the ranks hold the output pipes, so killing only the
+    launcher would leave the test waiting for ever. SIGABRT first, so every Python process prints where it was
+    stuck (PYTHONFAULTHANDLER), then SIGKILL; the test fails with those stacks.
+    """
+    popen = dict(cwd=REPO, env=env or cpu_env(), stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    with subprocess.Popen(cmd, **popen, start_new_session=True) as proc:
+        try:
+            out, err = proc.communicate(timeout=timeout)
+            return subprocess.CompletedProcess(cmd, proc.returncode, out, err)
+        except subprocess.TimeoutExpired:
+            pass
+        out, err = "", ""
+        for sig in (signal.SIGABRT, signal.SIGKILL):
+            with contextlib.suppress(ProcessLookupError):
+                os.killpg(proc.pid, sig)
+            with contextlib.suppress(subprocess.TimeoutExpired):
+                out, err = proc.communicate(timeout=30)
+                break
+    raise AssertionError(f"{' '.join(cmd[:4])} ...: no exit after {timeout} s\n{out[-3000:]}\n{err[-6000:]}")
 
 
 def prepare(out: Path, *extra: str, inputs: list[Path] | None = None, seq_len: int = 64) -> Path:
@@ -59,7 +86,7 @@ def launch(
     """`deepspeed --num_gpus=N train.py ARGS` with the real launcher, on the CPU (gloo)."""
     deepspeed = Path(sys.executable).parent / "deepspeed"
     cmd = [str(deepspeed), f"--num_gpus={nproc}", f"--master_port={free_port()}", "train.py", *args]
-    proc = subprocess.run(cmd, cwd=REPO, env=env or cpu_env(), capture_output=True, text=True, timeout=timeout)
+    proc = run_bounded(cmd, timeout, env)
     if check and proc.returncode != 0:
         raise AssertionError(f"launcher exit {proc.returncode}\n{proc.stdout[-4000:]}\n{proc.stderr[-4000:]}")
     return proc

@@ -20,7 +20,7 @@ from pathlib import Path
 
 import pytest
 import torch
-from conftest import REPO, STDLIB, cpu_env, free_port, launch
+from conftest import REPO, STDLIB, cpu_env, free_port, launch, run_bounded
 
 DOC = REPO / "docs" / "errors.md"
 WILDCARDS = ("reason", "presets")
@@ -258,7 +258,7 @@ def run_case(case: Case) -> Outcome:
     before = snapshot(case.keep)
     env = cpu_env(MASTER_PORT=str(free_port()), HF_HUB_OFFLINE="1", **case.env)
     env.pop("RANK", None)
-    proc = subprocess.run(case.argv, cwd=REPO, env=env, capture_output=True, text=True, timeout=300)
+    proc = run_bounded(case.argv, 300, env)
     return Outcome(case, proc.returncode, proc.stderr, before)
 
 

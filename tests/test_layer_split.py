@@ -8,7 +8,7 @@ import sys
 from pathlib import Path
 
 import pytest
-from conftest import REPO, cpu_env, losses, records
+from conftest import cpu_env, losses, records, run_bounded
 
 ARGS = ["--ds", "fp16.enabled=false", "train_batch_size=auto", "--max-steps", "6", "--lr", "3e-3"]
 ARGS += ["--warmup-steps", "2", "--micro-batch", "2", "--grad-accum", "2", "--log-interval", "1"]
@@ -19,7 +19,7 @@ def train(data: Path, out: Path, cards: int, *extra: str, env: dict | None = Non
     devices = ",".join(["cpu"] * cards)
     cmd = [sys.executable, "train.py", "--device-map", "balanced", "--device-map-devices", devices]
     cmd += ["--data", str(data), "--out", str(out), *ARGS, *extra]
-    return subprocess.run(cmd, cwd=REPO, env=env or cpu_env(), capture_output=True, text=True, timeout=600)
+    return run_bounded(cmd, 600, env)
 
 
 @pytest.fixture(scope="module")

@@ -4,14 +4,13 @@ the adapters and export a merged plain Hugging Face model (tests/helpers/lora_dr
 from __future__ import annotations
 
 import json
-import subprocess
 import sys
 from pathlib import Path
 from typing import Any
 
 import pytest
 import torch
-from conftest import REPO, cpu_env, free_port
+from conftest import REPO, cpu_env, free_port, run_bounded
 from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer
 
 from deepzero.errors import UserError
@@ -184,7 +183,7 @@ def drive(data: Path, out: Path, *args: str) -> dict[str, Any]:
     cmd = [str(deepspeed), "--num_gpus=3", f"--master_port={free_port()}", "tests/helpers/lora_driver.py"]
     cmd += ["--data", str(data), "--out", str(out), "--steps", str(STEPS), "--lr", "1e-2", *args]
     env = cpu_env(PYTHONPATH=str(REPO))
-    proc = subprocess.run(cmd, cwd=REPO, env=env, capture_output=True, text=True, timeout=600)
+    proc = run_bounded(cmd, 600, env)
     if proc.returncode != 0:
         raise AssertionError(f"launcher exit {proc.returncode}\n{proc.stdout[-4000:]}\n{proc.stderr[-4000:]}")
     assert "lora: r=8,alpha=16,dropout=0" in proc.stdout

@@ -5,14 +5,13 @@ from __future__ import annotations
 
 import itertools
 import json
-import subprocess
 import sys
 from pathlib import Path
 from typing import Any
 
 import pytest
 import torch
-from conftest import REPO, cpu_env, free_port
+from conftest import REPO, cpu_env, free_port, run_bounded
 from transformers import AutoConfig, AutoModelForCausalLM, LlamaConfig, Qwen2Config
 
 from deepzero import dsconfig
@@ -124,7 +123,7 @@ def drive(data: Path, out: Path, *args: str) -> dict[str, Any]:
     cmd = [str(deepspeed), "--num_gpus=3", f"--master_port={free_port()}", "tests/helpers/pipeline_driver.py"]
     cmd += ["--data", str(data), "--out", str(out), "--max-steps", str(STEPS), *args]
     env = cpu_env(PYTHONPATH=str(REPO))
-    proc = subprocess.run(cmd, cwd=REPO, env=env, capture_output=True, text=True, timeout=600)
+    proc = run_bounded(cmd, 600, env)
     if proc.returncode != 0:
         raise AssertionError(f"launcher exit {proc.returncode}\n{proc.stdout[-4000:]}\n{proc.stderr[-4000:]}")
     return json.loads((out / "report.json").read_text())

@@ -11,7 +11,7 @@ from dataclasses import replace
 from pathlib import Path
 
 import pytest
-from conftest import REPO, cpu_env, free_port
+from conftest import REPO, cpu_env, free_port, run_bounded
 
 from deepzero import plan
 from deepzero.errors import UserError
@@ -245,7 +245,7 @@ def test_predicted_bytes_equal_what_deepspeed_holds(stage: int, tmp_path: Path, 
     deepspeed = Path(sys.executable).parent / "deepspeed"
     cmd = [str(deepspeed), f"--num_gpus={N}", f"--master_port={free_port()}", "tests/helpers/zero_bytes.py"]
     cmd += ["--stage", str(stage), "--out", str(out)]
-    proc = subprocess.run(cmd, cwd=REPO, env=cpu_env(PYTHONPATH=str(REPO)), capture_output=True, text=True, timeout=600)
+    proc = run_bounded(cmd, 600, cpu_env(PYTHONPATH=str(REPO)))
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
     measured = json.loads(out.read_text())
     setup = plan.setup_from_ds_config(measured["ds_config"], world_size=N, seq_len=32, hidden_size=128)

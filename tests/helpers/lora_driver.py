@@ -26,7 +26,7 @@ import torch.distributed as dist
 
 from deepzero import dsconfig, modeling
 from deepzero.data import GlobalBatchSampler, PackedDataset, load_meta, make_eval_loader, make_train_loader
-from deepzero.distributed import exit_process, init_distributed, leave_distributed
+from deepzero.distributed import exit_process, init_distributed
 from deepzero.export import consolidated_state_dict
 from deepzero.lora import LoraSpec, apply_lora, export_lora_hf, is_adapter_param, param_counts
 
@@ -162,7 +162,6 @@ def main() -> None:
         (args.out / "report.json").write_text(json.dumps(report, indent=2, default=str))
     dist.barrier()
     del keep_alive
-    leave_distributed()
 
 
 if __name__ == "__main__":

@@ -25,7 +25,7 @@ from transformers import AutoModelForCausalLM
 
 from deepzero import checkpoint, dsconfig, modeling
 from deepzero.data import GlobalBatchSampler, PackedDataset, load_meta, make_eval_loader, make_train_loader
-from deepzero.distributed import exit_process, init_distributed, leave_distributed
+from deepzero.distributed import exit_process, init_distributed
 from deepzero.pipeline import (
     PipelineSettings,
     build_pipeline_engine,
@@ -132,7 +132,6 @@ def main() -> None:
         args.out.mkdir(parents=True, exist_ok=True)
         (args.out / "report.json").write_text(json.dumps(report, indent=2))
     dist.barrier()
-    leave_distributed()
 
 
 if __name__ == "__main__":

@@ -23,7 +23,7 @@ import torch
 import torch.distributed as dist
 from transformers import AutoModelForCausalLM
 
-from deepzero.distributed import exit_process, init_distributed, leave_distributed
+from deepzero.distributed import exit_process, init_distributed
 from deepzero.presets import get_preset
 
 SEQ_LEN = 32
@@ -130,7 +130,6 @@ def main() -> None:
     if dist.get_rank() == 0:
         args.out.write_text(json.dumps({"ds_config": ds_config(args.stage), "ranks": rows}, indent=2))
         print(f"zero_bytes: wrote {args.out}")
-    leave_distributed()
 
 
 if __name__ == "__main__":
