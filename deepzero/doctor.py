@@ -26,6 +26,7 @@ import torch
 
 from deepzero import __version__
 from deepzero.errors import UserError
+from deepzero.op_builds import stale_locks
 
 P2P_ADVICE = "export NCCL_P2P_DISABLE=1 NCCL_IB_DISABLE=1 (or: source launch/env_4090.sh)"
 CKPT_BYTES_PER_PARAM = 14
@@ -135,6 +136,7 @@ def deepspeed_info() -> dict[str, Any]:
         "accelerator": get_accelerator().device_name(),
         "ninja": is_ninja_available(),
         "ops_incompatible": sorted(incompatible),
+        "stale_build_locks": [str(lock) for lock in stale_locks()],
     }
 
 
@@ -341,6 +343,8 @@ def advice(report: dict[str, Any]) -> list[str]:
             f"DeepSpeed picked the {ds['accelerator']} accelerator although CUDA GPUs are visible: "
             "unset DS_ACCELERATOR or export DS_ACCELERATOR=cuda"
         )
+    for lock in ds.get("stale_build_locks", []):
+        tips.append(f"{lock} was left by a killed DeepSpeed op build; every launch waits on it for ever: rm {lock}")
     if ds.get("ninja") is False:
         tips.append("ninja is missing: DeepSpeed cannot JIT-build its ops (pip install ninja)")
     training_ops = [op for op in ds.get("ops_incompatible", []) if op in OP_HINTS]

@@ -37,6 +37,7 @@ from deepzero.flops import flops_per_token, peak_tflops, routed_experts
 from deepzero.layer_split import LayerSplitEngine, parse_devices, place_model
 from deepzero.lora import LoraSpec, apply_lora, export_lora_hf, is_lora
 from deepzero.metrics import MetricsSink, redact
+from deepzero.op_builds import check_op_builds
 from deepzero.pipeline import (
     PipelineSettings,
     build_pipeline_engine,
@@ -129,6 +130,7 @@ class RunPlan:
 def plan_run(args: TrainArgs, world: int) -> RunPlan:
     """Resolve the preset against the real world size, check data and model against each other."""
     check_writable(args.out_dir)
+    check_op_builds()
     meta = load_meta(args.data)
     source = modeling.resolve_model(args.model)
     config = modeling.load_config(source, args.trust_remote_code)

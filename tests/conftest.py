@@ -15,10 +15,21 @@ from pathlib import Path
 
 import pytest
 
+from deepzero.errors import UserError
+from deepzero.op_builds import check_op_builds
+
 REPO = Path(__file__).resolve().parents[1]
 STDLIB = Path(sysconfig.get_paths()["stdlib"])
 # A few standard-library packages: real Python source, present on every machine, about 1.5 MB.
 CORPUS = [STDLIB / name for name in ("json", "email", "http", "logging", "concurrent", "importlib")]
+
+
+def pytest_sessionstart(session: pytest.Session) -> None:
+    """A lock left by a killed DeepSpeed op build would make every launch below wait until its timeout."""
+    try:
+        check_op_builds()
+    except UserError as err:
+        pytest.exit(f"error: {err}", returncode=2)
 
 
 def free_port() -> int:

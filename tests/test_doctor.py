@@ -73,6 +73,7 @@ def test_doctor_json_on_cpu(cpu_report: dict[str, Any]) -> None:
         assert cpu_report["versions"][package], package
     assert cpu_report["gpus"] == [] and cpu_report["p2p"] == []
     assert cpu_report["deepspeed"]["accelerator"] == "cpu"
+    assert isinstance(cpu_report["deepspeed"]["stale_build_locks"], list)
     assert "DS_ACCELERATOR" in cpu_report["env"]
     ar = cpu_report["allreduce"]
     assert ar["backend"] == "gloo" and ar["world_size"] == 2 and ar["correct"] is True
@@ -120,6 +121,12 @@ def test_advice_cpu_only_and_ops() -> None:
     tips = doctor.advice(report)
     assert any("gloo" in tip for tip in tips)
     assert any("async_io" in tip and "evoformer" not in tip for tip in tips)
+
+
+def test_advice_stale_op_build_lock() -> None:
+    report = _report(RTX4090, 3, p2p_ok=True)
+    report["deepspeed"]["stale_build_locks"] = ["/root/.cache/torch_extensions/py311_cu128/fused_adam/lock"]
+    assert "rm /root/.cache/torch_extensions/py311_cu128/fused_adam/lock" in "\n".join(doctor.advice(report))
 
 
 def test_render_text_3x4090() -> None:

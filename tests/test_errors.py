@@ -10,6 +10,7 @@ the real `deepspeed` launcher on 2 ranks.
 from __future__ import annotations
 
 import json
+import os
 import re
 import shutil
 import subprocess
@@ -207,6 +208,17 @@ def cases(tiny_data: Path, root: Path) -> dict[str, Case]:
         {"out": str(out)},
     )
 
+    d = row("Stale op lock")
+    lock = d / "extensions" / "fused_adam" / "lock"
+    lock.parent.mkdir(parents=True)
+    lock.touch()
+    os.utime(lock, (1767225600, 1767225600))  # 2026-01-01 00:00 UTC
+    made["Lock left by a DeepSpeed op build that was killed"] = Case(
+        train_py(*small_args(tiny_data, d / "run")),
+        {"lock": str(lock), "started": "2026-01-01 00:00"},
+        env={"TORCH_EXTENSIONS_DIR": str(lock.parent.parent)},
+    )
+
     d = row("Resume without checkpoint")
     out = d / "run"
     made["--resume with no checkpoint in --out"] = Case(
@@ -290,6 +302,7 @@ SINGLE_PROCESS_ROWS = [
     "Sequence longer than the model's max positions",
     "Chat (SFT) data with a tokenizer that has no chat template",
     "Output folder that cannot be written",
+    "Lock left by a DeepSpeed op build that was killed",
     "--resume with no checkpoint in --out",
     "'latest' naming a folder that is gone",
     "Misspelled command-line flag",
