@@ -25,6 +25,7 @@ from typing import Any
 import torch
 
 from bench.bare_loop import LoopArgs, build, parse_args, resolve_config, write_step_times
+from deepzero.distributed import exit_process
 
 
 def training_arguments(args: LoopArgs, ds: dict[str, Any], micro: int, accum: int) -> Any:
@@ -119,3 +120,4 @@ def main(argv: list[str] | None = None) -> None:
 
 if __name__ == "__main__":
     main()
+    exit_process(0)
