@@ -41,7 +41,7 @@ def exit_process(code: int) -> NoReturn:
     exception", exit -6: seen in CI, about 1 launch in 30 here; core dump: ProcessGroupGloo::runLoop →
     ~AsyncAllgatherWork → take_gil during Py_FinalizeEx). ``destroy_process_group`` is no cure: gloo's threads
     outlive it, and tearing a group down is itself a known source of hangs (pytorch/pytorch#75097, #56297); a CI
-    run hung in the launch that first called it. So the group is left to the OS: callers close their files and
+    run hung in a launch that called it. So the group is left to the OS: callers close their files and
     trackers first, every collective has returned by then, and this flushes stdio and leaves with ``os._exit``.
     """
     sys.stdout.flush()

@@ -14,8 +14,8 @@ from torch.utils.cpp_extension import get_default_build_root
 
 from deepzero.errors import UserError
 
-# A build takes minutes (about 1 on 2 CPU cores here); a lock this old has no live builder behind it.
-STALE_AFTER_S = 15 * 60
+# A build takes minutes (about 1 for CPU Adam on 2 cores); a lock this old has no live builder behind it.
+STALE_AFTER_S = 30 * 60
 
 
 def build_root() -> Path:

@@ -107,9 +107,10 @@ def main(argv: list[str] | None = None) -> int:
         if os.environ.get("RANK", "0") == "0" or dist.is_initialized():
             prefix = f"[rank {dist.get_rank()}] " if dist.is_initialized() and dist.get_rank() else ""
             print(f"{prefix}error: {err}", file=sys.stderr, flush=True)
-        if dist.is_initialized() and dist.get_rank() != 0:
+        if os.environ.get("RANK", "0") != "0":
             # The launcher kills every rank once one exits non-zero: wait, so that rank 0 reaching the same error a
-            # moment later still prints its line instead of being killed before it does.
+            # moment later still prints its line instead of being killed before it does (rank 0 exiting first ends
+            # the job at once).
             time.sleep(ERROR_EXIT_GRACE_S)
         return 2
     finally:  # on every way out: the entry point ends without interpreter shutdown (exit_process)
