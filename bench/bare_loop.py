@@ -23,7 +23,7 @@ import torch
 
 from deepzero import dsconfig, modeling
 from deepzero.data import GlobalBatchSampler, PackedDataset, load_meta
-from deepzero.distributed import exit_process
+from deepzero.distributed import exit_process, release_shm_buffers
 
 
 @dataclass
@@ -113,6 +113,7 @@ def main(argv: list[str] | None = None) -> None:
     args = parse_args(argv)
     get_accelerator().set_device(int(os.environ.get("LOCAL_RANK", "0")))
     deepspeed.init_distributed(verbose=False)
+    release_shm_buffers()  # before the clock starts: DeepSpeed's /dev/shm buffers, unlinked, go at exit
     rank, world = dist.get_rank(), dist.get_world_size()
     device = get_accelerator().current_device_name()
     built = build(args, resolve_config(args, world))

@@ -25,7 +25,7 @@ from typing import Any
 import torch
 
 from bench.bare_loop import LoopArgs, build, parse_args, resolve_config, write_step_times
-from deepzero.distributed import exit_process
+from deepzero.distributed import exit_process, release_shm_buffers
 
 
 def training_arguments(args: LoopArgs, ds: dict[str, Any], micro: int, accum: int) -> Any:
@@ -110,6 +110,7 @@ def main(argv: list[str] | None = None) -> None:
     clock = StepClock()
     trainer = Trainer(model=built.model, args=training_args, train_dataset=built.train_data, callbacks=[clock])
     trainer.train()
+    release_shm_buffers()  # the group HF started made DeepSpeed's /dev/shm buffers; unlinked, they go at exit
     if rank == 0:
         in_step = [e - b for b, e in zip(clock.begins, clock.ends, strict=True)][args.log_interval :]
         extra = {"loop": "hf_trainer", "in_step_median_s": statistics.median(in_step) if in_step else None}
