@@ -35,7 +35,9 @@ def stale_locks(root: Path | None = None, now: float | None = None) -> list[Path
 
 def check_op_builds(root: Path | None = None) -> None:
     """Refuse to start behind a lock that a killed build left: that launch would hang with no message."""
-    for lock in stale_locks(root)[:1]:
+    stale = stale_locks(root)
+    if stale:
+        lock = stale[0]
         started = time.strftime("%Y-%m-%d %H:%M", time.gmtime(lock.stat().st_mtime))
         raise UserError(
             str(lock),
