@@ -92,11 +92,17 @@ def tiny_data(tmp_path_factory: pytest.TempPathFactory) -> Path:
 
 
 def launch(
-    args: list[str], nproc: int = 3, env: dict[str, str] | None = None, timeout: int = 900, check: bool = True
+    args: list[str],
+    nproc: int = 3,
+    env: dict[str, str] | None = None,
+    timeout: int = 900,
+    check: bool = True,
+    script: str = "train.py",
 ) -> subprocess.CompletedProcess[str]:
-    """`deepspeed --num_gpus=N train.py ARGS` with the real launcher, on the CPU (gloo)."""
+    """`deepspeed --num_gpus=N SCRIPT ARGS` with the real launcher, on the CPU (gloo); SCRIPT defaults to train.py
+    (the helpers under tests/helpers/ need ``PYTHONPATH`` set to the repo in ``env``)."""
     deepspeed = Path(sys.executable).parent / "deepspeed"
-    cmd = [str(deepspeed), f"--num_gpus={nproc}", f"--master_port={free_port()}", "train.py", *args]
+    cmd = [str(deepspeed), f"--num_gpus={nproc}", f"--master_port={free_port()}", script, *args]
     proc = run_bounded(cmd, timeout, env)
     if check and proc.returncode != 0:
         raise AssertionError(f"launcher exit {proc.returncode}\n{proc.stdout[-4000:]}\n{proc.stderr[-4000:]}")

@@ -10,7 +10,7 @@ from typing import Any
 
 import pytest
 import torch
-from conftest import REPO, cpu_env, free_port, run_bounded
+from conftest import REPO, cpu_env, launch
 from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer
 
 from deepzero.errors import UserError
@@ -179,13 +179,9 @@ WRAPPED = {"zero2": 32, "zero3": 32 + 6}  # Linear layers (+ fused expert tensor
 
 def drive(data: Path, out: Path, *args: str) -> dict[str, Any]:
     """`deepspeed --num_gpus=3 tests/helpers/lora_driver.py ...`; returns its report.json."""
-    deepspeed = Path(sys.executable).parent / "deepspeed"
-    cmd = [str(deepspeed), "--num_gpus=3", f"--master_port={free_port()}", "tests/helpers/lora_driver.py"]
-    cmd += ["--data", str(data), "--out", str(out), "--steps", str(STEPS), "--lr", "1e-2", *args]
+    argv = ["--data", str(data), "--out", str(out), "--steps", str(STEPS), "--lr", "1e-2", *args]
     env = cpu_env(PYTHONPATH=str(REPO))
-    proc = run_bounded(cmd, 600, env)
-    if proc.returncode != 0:
-        raise AssertionError(f"launcher exit {proc.returncode}\n{proc.stdout[-4000:]}\n{proc.stderr[-4000:]}")
+    proc = launch(argv, env=env, timeout=600, script="tests/helpers/lora_driver.py")
     assert "lora: r=8,alpha=16,dropout=0" in proc.stdout
     return json.loads((out / "report.json").read_text())
 

@@ -5,13 +5,12 @@ from __future__ import annotations
 
 import itertools
 import json
-import sys
 from pathlib import Path
 from typing import Any
 
 import pytest
 import torch
-from conftest import REPO, cpu_env, free_port, run_bounded
+from conftest import REPO, cpu_env, launch
 from transformers import AutoConfig, AutoModelForCausalLM, LlamaConfig, Qwen2Config
 
 from deepzero import dsconfig
@@ -119,13 +118,9 @@ def test_tied_embeddings_are_refused() -> None:
 
 def drive(data: Path, out: Path, *args: str) -> dict[str, Any]:
     """`deepspeed --num_gpus=3 tests/helpers/pipeline_driver.py ...`; returns its report.json."""
-    deepspeed = Path(sys.executable).parent / "deepspeed"
-    cmd = [str(deepspeed), "--num_gpus=3", f"--master_port={free_port()}", "tests/helpers/pipeline_driver.py"]
-    cmd += ["--data", str(data), "--out", str(out), "--max-steps", str(STEPS), *args]
+    argv = ["--data", str(data), "--out", str(out), "--max-steps", str(STEPS), *args]
     env = cpu_env(PYTHONPATH=str(REPO))
-    proc = run_bounded(cmd, 600, env)
-    if proc.returncode != 0:
-        raise AssertionError(f"launcher exit {proc.returncode}\n{proc.stdout[-4000:]}\n{proc.stderr[-4000:]}")
+    launch(argv, env=env, timeout=600, script="tests/helpers/pipeline_driver.py")
     return json.loads((out / "report.json").read_text())
 
 

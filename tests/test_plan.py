@@ -11,7 +11,7 @@ from dataclasses import replace
 from pathlib import Path
 
 import pytest
-from conftest import REPO, cpu_env, free_port, run_bounded
+from conftest import REPO, cpu_env, launch
 
 from deepzero import plan
 from deepzero.errors import UserError
@@ -242,11 +242,10 @@ def test_max_micro_batch_is_the_largest_that_fits(coder: plan.ModelStats) -> Non
 @pytest.mark.parametrize("stage", [2, 3])
 def test_predicted_bytes_equal_what_deepspeed_holds(stage: int, tmp_path: Path, tiny: plan.ModelStats) -> None:
     out = tmp_path / f"zero{stage}.json"
-    deepspeed = Path(sys.executable).parent / "deepspeed"
-    cmd = [str(deepspeed), f"--num_gpus={N}", f"--master_port={free_port()}", "tests/helpers/zero_bytes.py"]
-    cmd += ["--stage", str(stage), "--out", str(out)]
-    proc = run_bounded(cmd, 600, cpu_env(PYTHONPATH=str(REPO)))
-    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    env = cpu_env(PYTHONPATH=str(REPO))
+    launch(
+        ["--stage", str(stage), "--out", str(out)], nproc=N, env=env, timeout=600, script="tests/helpers/zero_bytes.py"
+    )
     measured = json.loads(out.read_text())
     setup = plan.setup_from_ds_config(measured["ds_config"], world_size=N, seq_len=32, hidden_size=128)
     predicted = rank_states(tiny.param_numels, (), setup)
