@@ -88,7 +88,7 @@ def build(args: LoopArgs, cfg: dsconfig.ResolvedConfig) -> Built:
         source,
         config,
         vocab_size=len(tokenizer),
-        dtype=modeling.TORCH_DTYPES[cfg.precision],
+        dtype=cfg.precision_choice.torch_dtype,
         attn_implementation=args.attn_implementation,
     )
     model.config.use_cache = False

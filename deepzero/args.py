@@ -43,6 +43,13 @@ class TrainArgs:
     ds: list[str] = field(
         default_factory=list, **_help("Override any DeepSpeed key: --ds zero_optimization.stage=3 fp16.enabled=false")
     )
+    precision: Literal["fp32", "fp16", "bf16"] | None = field(
+        default=None,
+        **_help(
+            "Force the training precision. Default: the preset's, kept on GPUs and on CPUs with native kernels for it;"
+            " fp32 on a CPU that would emulate it (see the run header and docs/precision.md)."
+        ),
+    )
     seed: int = field(default=0, **_help("Seed for weights init and data order."))
     log_interval: int = field(default=10, **_help("Optimizer steps between logged lines (the only host syncs)."))
     eval_interval: int = field(default=100, **_help("Optimizer steps between evaluations on the val split (0: off)."))

@@ -16,6 +16,12 @@ from deepspeed.accelerator import get_accelerator
 SHM_DIR = Path("/dev/shm")
 
 
+def on_cuda() -> bool:
+    """True when ranks train on CUDA cards: DeepSpeed's accelerator, not whether torch sees a GPU (a GPU box with
+    DS_ACCELERATOR=cpu trains on the CPU)."""
+    return get_accelerator().device_name() == "cuda"
+
+
 def init_distributed() -> tuple[int, int]:
     """Join the group the launcher (deepspeed, torchrun, srun) described; a plain `python` run is rank 0 of 1."""
     for key, default in (("RANK", "0"), ("LOCAL_RANK", "0"), ("WORLD_SIZE", "1"), ("MASTER_ADDR", "127.0.0.1")):
@@ -25,7 +31,7 @@ def init_distributed() -> tuple[int, int]:
             sock.bind(("127.0.0.1", 0))
             os.environ["MASTER_PORT"] = str(sock.getsockname()[1])
     get_accelerator().set_device(int(os.environ["LOCAL_RANK"]))
-    if not torch.cuda.is_available() and "OMP_NUM_THREADS" not in os.environ:
+    if not on_cuda() and "OMP_NUM_THREADS" not in os.environ:
         local_world = int(os.environ.get("LOCAL_WORLD_SIZE", os.environ["WORLD_SIZE"]))
         torch.set_num_threads(max(1, (os.cpu_count() or 1) // local_world))  # CPU ranks share the cores
     deepspeed.init_distributed(dist_init_required=True, verbose=False)

@@ -1,4 +1,7 @@
-"""Environment doctor: versions, GPUs, P2P, NCCL settings, an all-reduce bandwidth test, disk space, and advice.
+"""Environment doctor: versions, GPUs, P2P, NCCL, all-reduce bandwidth, disk, each preset's precision and op builds.
+
+For each ds_configs preset the report says the precision it trains in on this machine's training device (against
+the native 16-bit kernels of the CPU and of that device) and which DeepSpeed ops it compiles on first use, with what.
 
 Run ``python -m deepzero.doctor`` (plain text) or ``python -m deepzero.doctor --json``. Exit code 0 when the
 all-reduce test passed or was skipped, 1 when it failed, hung or returned wrong sums, 2 on a bad flag.
@@ -17,6 +20,7 @@ import shutil
 import socket
 import sys
 import time
+from dataclasses import asdict
 from datetime import timedelta
 from importlib import metadata
 from pathlib import Path
@@ -24,7 +28,7 @@ from typing import Any
 
 import torch
 
-from deepzero import __version__
+from deepzero import __version__, dsconfig, precision
 from deepzero.errors import UserError
 from deepzero.op_builds import stale_locks
 
@@ -43,6 +47,9 @@ OP_HINTS = {  # the ops a training config can need; the others (inference, evofo
     "cpu_adam": "needed for offload_optimizer: cpu (ZeRO-Offload)",
     "fused_adam": "needed for DeepSpeed's Adam/AdamW on GPU",
 }
+JIT_TOOLS = {"c++": "a C++ compiler (c++ or g++)", "nvcc": "nvcc (in $CUDA_HOME/bin or on PATH)"}
+"""What compiles a DeepSpeed op on first use: the C++ compiler everywhere, nvcc too when training on CUDA."""
+PRESET_DIR = Path(__file__).resolve().parents[1] / "ds_configs"
 _PACKAGES = ("torch", "deepspeed", "transformers", "accelerate")
 _ENV_KEYS = ("DS_ACCELERATOR", "CUDA_VISIBLE_DEVICES", "CUDA_DEVICE_MAX_CONNECTIONS", "OMP_NUM_THREADS")
 _ENV_KEYS += ("PYTORCH_CUDA_ALLOC_CONF", "PYTORCH_ALLOC_CONF")
@@ -122,6 +129,7 @@ def deepspeed_info() -> dict[str, Any]:
     """DeepSpeed's detected accelerator and which of its ops cannot be JIT-built here."""
     try:
         from deepspeed.accelerator import get_accelerator
+        from deepspeed.git_version_info import installed_ops
         from deepspeed.ops.op_builder.all_ops import ALL_OPS
         from deepspeed.ops.op_builder.builder import probe_is_compatible
         from torch.utils.cpp_extension import is_ninja_available
@@ -136,6 +144,7 @@ def deepspeed_info() -> dict[str, Any]:
         "accelerator": get_accelerator().device_name(),
         "ninja": is_ninja_available(),
         "ops_incompatible": sorted(incompatible),
+        "ops_prebuilt": sorted(name for name, built in installed_ops.items() if built),
         "stale_build_locks": [str(lock) for lock in stale_locks()],
     }
 
@@ -177,6 +186,98 @@ def disk(checkpoint_dir: str, model: str | None) -> dict[str, Any]:
         "n_params": n_params,
         "checkpoint_gb": round(n_params * CKPT_BYTES_PER_PARAM / 1e9, 2) if n_params else None,
     }
+
+
+# ---------------------------------------------------------------------------------------------- presets
+
+
+def load_presets(directory: Path = PRESET_DIR) -> dict[str, dict[str, Any] | UserError]:
+    """Every preset in ``directory``, sorted, by the path a user passes (ds_configs/x.json); one that does not load
+    maps to its error."""
+    presets: dict[str, dict[str, Any] | UserError] = {}
+    for path in sorted(directory.glob("*.json")):
+        name = f"{directory.name}/{path.name}"
+        try:
+            presets[name] = dsconfig.load_json(path)
+        except UserError as err:
+            presets[name] = err
+    return presets
+
+
+def preset_precision(
+    name: str, cfg: dict[str, Any] | UserError, kernels: precision.DeviceKernels | None
+) -> dict[str, Any]:
+    """The precision a preset trains in on the device ``kernels`` describes (None: unknown), or why it cannot run."""
+    if isinstance(cfg, UserError):
+        return {"preset": name, "requested": None, "error": cfg.problem, "fix": cfg.fix}
+    requested = precision.requested_precision(cfg)
+    if kernels is None:
+        return {"preset": name, "requested": requested, "error": "training device unknown", "fix": "repair deepspeed"}
+    try:
+        choice = precision.decide(requested, name, None, kernels)
+    except UserError as err:
+        return {"preset": name, "requested": requested, "error": err.problem, "fix": err.fix}
+    return {"preset": name, "requested": requested, "dtype": choice.dtype, "reason": choice.reason}
+
+
+def precision_report(
+    presets: dict[str, dict[str, Any] | UserError],
+    cpu: precision.DeviceKernels,
+    device: precision.DeviceKernels | None,
+) -> dict[str, Any]:
+    """This CPU's native 16-bit kernels, the training device's (None: deepspeed does not import), and the precision
+    each preset trains in on that device."""
+    return {
+        "cpu": asdict(cpu),
+        "device": asdict(device) if device else None,
+        "presets": [preset_precision(name, cfg, device) for name, cfg in presets.items()],
+    }
+
+
+def toolchain() -> dict[str, str | None]:
+    """Where the compilers of a DeepSpeed JIT op build are (None: not found)."""
+    cuda_home = os.environ.get("CUDA_HOME")
+    nvcc = Path(cuda_home, "bin", "nvcc") if cuda_home else None
+    return {
+        "c++": shutil.which("c++") or shutil.which("g++"),
+        "nvcc": str(nvcc) if nvcc and nvcc.is_file() else shutil.which("nvcc"),
+    }
+
+
+def preset_ops(cfg: dict[str, Any]) -> list[str]:
+    """The DeepSpeed ops a preset's optimizer loads, in the order DeepSpeed's engine picks it: none with torch_adam
+    (torch's AdamW), cpu_adam when the optimizer is offloaded, else fused_adam."""
+    optimizer = cfg.get("optimizer") or {}
+    if str(optimizer.get("type", "")).lower() not in ("adam", "adamw"):
+        return []
+    if (optimizer.get("params") or {}).get("torch_adam") is True:
+        return []
+    offload = ((cfg.get("zero_optimization") or {}).get("offload_optimizer") or {}).get("device")
+    return ["cpu_adam"] if offload in ("cpu", "nvme") else ["fused_adam"]
+
+
+def preset_build(
+    name: str, cfg: dict[str, Any] | UserError, tools: dict[str, str | None], ds: dict[str, Any]
+) -> dict[str, Any]:
+    """What a preset compiles on first use with ``ds`` (deepspeed_info()) and ``tools`` (toolchain()), and what of
+    that is missing here."""
+    if isinstance(cfg, UserError):
+        return {"preset": name, "ops": [], "build": [], "tools": [], "missing": [f"the preset: {cfg.problem}"]}
+    ops = preset_ops(cfg)
+    build = [op for op in ops if op not in ds.get("ops_prebuilt", [])]
+    needed = ([*JIT_TOOLS] if ds.get("accelerator") == "cuda" else ["c++"]) if build else []
+    missing = [f"{op}, which DeepSpeed cannot build here" for op in build if op in ds.get("ops_incompatible", [])]
+    missing += [JIT_TOOLS[tool] for tool in needed if not tools.get(tool)]
+    if build and ds.get("ninja") is False:
+        missing.append("ninja")
+    return {"preset": name, "ops": ops, "build": build, "tools": needed, "missing": missing}
+
+
+def build_report(
+    presets: dict[str, dict[str, Any] | UserError], ds: dict[str, Any], tools: dict[str, str | None]
+) -> dict[str, Any]:
+    """The compilers (toolchain()), and per preset the ops it compiles on first use and what of that is missing."""
+    return {"toolchain": tools, "presets": [preset_build(name, cfg, tools, ds) for name, cfg in presets.items()]}
 
 
 # ---------------------------------------------------------------------------------------------- all-reduce
@@ -297,13 +398,18 @@ def collect(bandwidth_mb: float, checkpoint_dir: str, model: str | None) -> dict
     with contextlib.redirect_stdout(sys.stderr):
         disk_report = disk(checkpoint_dir, model)  # first: a bad --model fails fast
         found_gpus = gpus()
+        ds = deepspeed_info()
+        presets = load_presets()
+        device = None if "error" in ds else precision.probe()
         return {
             "versions": versions(),
             "cuda": cuda_info(),
             "gpus": found_gpus,
             "p2p": p2p(len(found_gpus)),
             "env": env_settings(),
-            "deepspeed": deepspeed_info(),
+            "deepspeed": ds,
+            "precision": precision_report(presets, precision.probe_cpu(), device),
+            "op_builds": build_report(presets, ds, toolchain()),
             "allreduce": allreduce(bandwidth_mb, len(found_gpus)),
             "disk": disk_report,
         }
@@ -351,11 +457,29 @@ def advice(report: dict[str, Any]) -> list[str]:
     if training_ops:
         named = "; ".join(f"{op} ({OP_HINTS[op]})" for op in training_ops)
         tips.append(f"note: DeepSpeed ops that cannot be built here: {named}. Configs that need them fail at startup")
+    tips += _precision_advice(report.get("precision", {}))
     tips += _disk_advice(report.get("disk", {}))
     geforce = any(_is_geforce_40(g["name"]) for g in found_gpus) and not _p2p_disabled(env)
     hint = f" ({P2P_ADVICE})" if geforce and P2P_ADVICE not in tips else ""
     tips += _allreduce_advice(report.get("allreduce", {}), hint)
     return tips
+
+
+def _precision_advice(p: dict[str, Any]) -> list[str]:
+    """When ranks train on a CPU without native kernels for a 16-bit type: the presets that fall back to fp32."""
+    device = p.get("device")
+    if not device or device["device"] != "cpu":
+        return []
+    fallen = [row["preset"] for row in p["presets"] if row.get("dtype") == "fp32" and row["requested"] != "fp32"]
+    if not fallen:
+        return []
+    lacking = [dtype for dtype in ("fp16", "bf16") if not device[dtype]]
+    forced = "fp32, bf16 or fp16" if device["fp16"] else "fp32 or bf16"  # fp16 without native kernels is refused
+    emulated = "" if device["bf16"] else "; bf16 runs emulated here, several times slower"
+    return [
+        f"this CPU ({device['name']}) has no native {' or '.join(lacking)} kernels, so {', '.join(fallen)} "
+        f"{'trains' if len(fallen) == 1 else 'train'} in fp32 here; --precision forces a type ({forced}{emulated})"
+    ]
 
 
 def _disk_advice(d: dict[str, Any]) -> list[str]:
@@ -433,6 +557,39 @@ def _env_rows(env: dict[str, str | None]) -> list[tuple[str, Any]]:
     return rows if any(k.startswith("NCCL_") for k in env) else [("NCCL_*", "none set"), *rows]
 
 
+def _precision_cell(row: dict[str, Any]) -> str:
+    if "error" in row:
+        return f"cannot run: {row['error']} (fix: {row['fix']})"
+    if row["dtype"] == row["requested"]:
+        return f"{row['dtype']} ({row['reason']})"
+    return f"{row['dtype']}, not the {row['requested']} it asks for ({row['reason']})"
+
+
+def _precision_rows(p: dict[str, Any]) -> list[tuple[str, Any]]:
+    cpu, device = p["cpu"], p["device"]
+    if device is None:
+        trains_on = "unknown (deepspeed does not import)"
+    else:
+        trains_on = (
+            "this CPU" if device == cpu else f"{device['device']}, {precision.DeviceKernels(**device).describe()}"
+        )
+    rows = [("cpu", precision.DeviceKernels(**cpu).describe()), ("trains on", trains_on)]
+    return rows + [(row["preset"], _precision_cell(row)) for row in p["presets"]]
+
+
+def _build_cell(row: dict[str, Any]) -> str:
+    status = f"missing: {', '.join(row['missing'])}" if row["missing"] else "ok"
+    if not row["ops"]:
+        return f"no DeepSpeed op to compile: {status}"
+    if not row["build"]:
+        return f"{', '.join(row['ops'])} (prebuilt): {status}"
+    return f"{', '.join(row['build'])}, compiled on first use with {' + '.join(row['tools'])}: {status}"
+
+
+def _build_rows(b: dict[str, Any]) -> list[tuple[str, Any]]:
+    return [*b["toolchain"].items(), *((row["preset"], _build_cell(row)) for row in b["presets"])]
+
+
 def render_text(report: dict[str, Any]) -> str:
     """The report as aligned plain-text sections."""
     ds = report["deepspeed"]
@@ -456,6 +613,8 @@ def render_text(report: dict[str, Any]) -> str:
         *_section("p2p (torch.cuda.can_device_access_peer)", _p2p_matrix(report)),
         *_section("environment", _env_rows(report["env"])),
         *_section("deepspeed", [(k, ", ".join(v) if isinstance(v, list) else v) for k, v in ds.items()]),
+        *_section("precision per preset (native 16-bit kernels)", _precision_rows(report["precision"])),
+        *_section("op builds per preset (DeepSpeed JIT)", _build_rows(report["op_builds"])),
         *_section("all-reduce", _allreduce_line(report["allreduce"])),
         *_section("disk", disk_rows),
         "advice",

@@ -15,6 +15,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+from deepzero import precision as precision_mod
 from deepzero.errors import UserError
 
 # Top-level keys DeepSpeed understands (https://www.deepspeed.ai/docs/config-json/). Keys starting with "_"
@@ -79,9 +80,25 @@ KNOWN_TOP_LEVEL = frozenset(
     ]
 )
 
+ADAM_PARAMS = frozenset(
+    [
+        "lr",
+        "betas",
+        "eps",
+        "weight_decay",
+        "torch_adam",
+        "fused",
+        "foreach",
+        "adam_w_mode",
+        "bias_correction",
+        "amsgrad",
+    ]
+)
+"""DeepSpeed's Adam keys; with ``torch_adam`` the rest go to torch.optim.AdamW (``fused``, ``foreach``)."""
+
 OPTIMIZER_PARAMS = {
-    "adam": {"lr", "betas", "eps", "weight_decay", "torch_adam", "adam_w_mode", "bias_correction", "amsgrad"},
-    "adamw": {"lr", "betas", "eps", "weight_decay", "torch_adam", "adam_w_mode", "bias_correction", "amsgrad"},
+    "adam": ADAM_PARAMS,
+    "adamw": ADAM_PARAMS,
     "sgd": {"lr", "momentum", "weight_decay", "nesterov", "dampening"},
     "lamb": {"lr", "betas", "eps", "weight_decay", "max_coeff", "min_coeff", "bias_correction"},
     "adagrad": {"lr", "eps", "weight_decay", "lr_decay"},
@@ -330,12 +347,12 @@ class ResolvedConfig:
     path: str
     ds: dict[str, Any]
     batch: BatchMath
+    precision_choice: precision_mod.Precision
+    """The training precision decided against the device (the ds config's fp16/bf16 sections follow it)."""
 
     @property
     def precision(self) -> str:
-        if self.ds.get("bf16", {}).get("enabled"):
-            return "bf16"
-        return "fp16" if self.ds.get("fp16", {}).get("enabled") else "fp32"
+        return self.precision_choice.dtype
 
     @property
     def zero_stage(self) -> int:
@@ -356,9 +373,16 @@ class ResolvedConfig:
 
 
 def resolve(
-    path: str | Path, dp_size: int, hints: TrainingHints, overrides: list[str] | tuple[str, ...] = ()
+    path: str | Path,
+    dp_size: int,
+    hints: TrainingHints,
+    overrides: list[str] | tuple[str, ...] = (),
+    precision: str | None = None,
+    kernels: precision_mod.DeviceKernels | None = None,
 ) -> ResolvedConfig:
-    """Load, override, fill "auto", check batch math against ``dp_size`` and validate; raise once, listing all."""
+    """Load, override, fill "auto", check batch math against ``dp_size`` and validate; raise once, listing all.
+    Then decide the precision: the preset's (or ``precision``, from --precision) against ``kernels`` (default: this
+    process's device, probed)."""
     raw = load_json(path)
     cfg = copy.deepcopy({k: v for k, v in raw.items() if not k.startswith("_")})
     apply_overrides(cfg, list(overrides), str(path))
@@ -380,4 +404,7 @@ def resolve(
     if problems:
         fixes.append("edit the file or override with --ds key=value")
         raise UserError(str(path), "; ".join(problems), "; ".join(dict.fromkeys(fixes)))
-    return ResolvedConfig(str(path), cfg, batch)
+    requested = precision_mod.requested_precision(cfg)
+    choice = precision_mod.decide(requested, str(path), precision, kernels or precision_mod.probe())
+    precision_mod.apply(cfg, choice.dtype)
+    return ResolvedConfig(str(path), cfg, batch, choice)

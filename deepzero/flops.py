@@ -76,7 +76,9 @@ def peak_tflops(override: float | None = None) -> float | None:
     """Peak TFLOP/s of this rank's device: the override, a datasheet lookup by GPU name, or None (CPU)."""
     if override:
         return override
-    if not torch.cuda.is_available():
+    from deepzero.distributed import on_cuda
+
+    if not on_cuda():
         return None
     name = torch.cuda.get_device_name()
     return next((v for k, v in PEAK_TFLOPS.items() if k in name), None)

@@ -48,6 +48,8 @@ class LayerSplitEngine:
         self.module = model
         self.placement = placement
         self.first_device = torch_device(placement.device_map[next(iter(placement.device_map))])
+        self.device = self.first_device
+        """Where inputs go (DeepSpeed engines name theirs ``device`` too)."""
         opt = ds.get("optimizer", {"type": "AdamW", "params": {}})
         if str(opt.get("type", "")).lower() not in ("adam", "adamw"):
             raise UserError("--device-map", f"optimizer {opt.get('type')} is not supported here", 'use "AdamW"')

@@ -17,7 +17,9 @@ SECRET_MARKERS = ("KEY", "TOKEN", "SECRET", "PASSWORD")
 
 def peak_memory_gb() -> tuple[float, str]:
     """Peak memory of this process: GPU allocated on CUDA, else host RSS (Linux reports KiB)."""
-    if torch.cuda.is_available():
+    from deepzero.distributed import on_cuda
+
+    if on_cuda():
         return torch.cuda.max_memory_allocated() / 2**30, "gpu"
     return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 2**20, "host"
 

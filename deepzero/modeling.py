@@ -13,8 +13,6 @@ from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer, Pretra
 from deepzero.errors import UserError
 from deepzero.presets import PRESETS
 
-TORCH_DTYPES = {"fp32": torch.float32, "fp16": torch.float16, "bf16": torch.bfloat16}
-
 
 @dataclass(frozen=True)
 class ModelSource:

@@ -317,6 +317,6 @@ def export_pipeline_hf(
         dtype = state_dict[name_map["0.embed_tokens.weight"]].dtype
         attn = attn_implementation_of(model)
         diff = publish_and_compare(model, tokenizer, out_dir, probe, engine_logits, dtype, attn, state_dict)
-        report = ExportReport.measured(out_dir, diff, dtype)
+        report = ExportReport.measured(out_dir, diff, dtype, engine_logits, str(engine.device))
     dist.barrier()
     return report

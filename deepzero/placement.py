@@ -26,12 +26,11 @@ from torch import nn
 from transformers import AutoConfig, AutoModelForCausalLM, PretrainedConfig
 
 from deepzero.errors import UserError
+from deepzero.precision import TORCH_DTYPES
 from deepzero.presets import get_preset
 
 GiB = 2**30
 Device = str | int
-
-DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}
 
 
 @dataclass(frozen=True)
@@ -491,7 +490,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--max-memory", default="", help='per-card budgets, e.g. "0=24GiB,1=20GiB,2=24GiB"')
     parser.add_argument("--training", action="store_true", help="count grads, optimizer states and activations")
     parser.add_argument("--training-factor", type=float, default=4.0, help="bytes per weight byte when training")
-    parser.add_argument("--dtype", choices=sorted(DTYPES), default="bf16")
+    parser.add_argument("--dtype", choices=sorted(TORCH_DTYPES), default="bf16")
     parser.add_argument("--seq-len", type=int, default=2048)
     parser.add_argument("--micro-batch", type=int, default=1)
     args = parser.parse_args(argv)
@@ -502,7 +501,7 @@ def main(argv: list[str] | None = None) -> int:
             load_config(args.model),
             list(range(args.gpus)),
             max_memory,
-            dtype=DTYPES[args.dtype],
+            dtype=TORCH_DTYPES[args.dtype],
             training=args.training,
             training_factor=args.training_factor,
             seq_len=args.seq_len,

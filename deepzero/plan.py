@@ -667,8 +667,10 @@ def _recommendation_line(what: str, rec: Recommendation | None, gpu_mem_gb: floa
 
 
 def detected_gpu_mem_gb() -> float | None:
-    """Smallest visible CUDA card in GiB, or None without CUDA."""
-    if not torch.cuda.is_available():
+    """Smallest visible CUDA card in GiB, or None when the ranks do not train on CUDA."""
+    from deepzero.distributed import on_cuda
+
+    if not on_cuda():
         return None
     sizes = [torch.cuda.get_device_properties(i).total_memory for i in range(torch.cuda.device_count())]
     return min(sizes) / GiB

@@ -105,6 +105,7 @@ def print_header(run: Run, model_name: str) -> None:
         + (f"  layer split over {len(run.engine.placement.cards)} cards" if run.args.device_map else "")
         + (f"  pipeline {run.pipe.stages} stages × data-parallel {run.dp_size}" if run.pipe else "")
         + f"  world {run.world} on {run.device.split(':')[0]} ({dist.get_backend()})",
+        cfg.precision_choice.describe(),
         cfg.batch.describe(run.seq_len),
         f"lr: peak {cfg.ds['optimizer']['params']['lr']:g} from {run.lr_source}; scheduler {cfg.ds.get('scheduler', {}).get('type', 'none')}"
         f" {_sched_brief(cfg.ds)}",

@@ -169,7 +169,9 @@ def plan_run(args: TrainArgs, world: int) -> RunPlan:
             "run `python train.py --device-map balanced`",
         )
     dp_size = pipe.dp_size(world) if pipe else world
-    cfg = dsconfig.resolve(args.deepspeed_config, dp_size=dp_size, hints=hints, overrides=args.ds)
+    cfg = dsconfig.resolve(args.deepspeed_config, dp_size, hints, args.ds, precision=args.precision)
+    if cfg.precision_choice.changed:
+        _warn(f"{cfg.precision_choice.describe()}. Fix: pass --precision to choose another")
     if pipe:
         pipe.check_accum(cfg.batch.accum)
     lr_source = (
@@ -238,7 +240,7 @@ def build_engine(args: TrainArgs, plan: RunPlan) -> tuple[Any, torch.nn.Module, 
         plan.source,
         plan.config,
         vocab_size=len(plan.tokenizer),
-        dtype=modeling.TORCH_DTYPES[plan.cfg.precision],
+        dtype=plan.cfg.precision_choice.torch_dtype,
         attn_implementation=args.attn_implementation,
         experts_implementation=args.experts_impl,
         trust_remote_code=args.trust_remote_code,
@@ -271,7 +273,12 @@ def setup(args: TrainArgs) -> Run:
     rank, world = init_distributed()
     engine, model, name_map = build_engine(args, plan)
     state = checkpoint.load(engine, args.checkpoint_dir) if args.resume else checkpoint.TrainState()
-    run_config = {"args": vars(args), "deepspeed": plan.cfg.ds, "env": redact(report.launch_env())}
+    run_config = {
+        "args": vars(args),
+        "deepspeed": plan.cfg.ds,
+        "precision": plan.cfg.precision_choice.to_json(),
+        "env": redact(report.launch_env()),
+    }
     grid = getattr(engine, "grid", None)
     run = Run(
         args=args,
@@ -514,7 +521,13 @@ def finish(run: Run) -> None:
         if exported is not None:
             report.log(run, {"kind": "export", "step": run.state.step, **vars(exported), "ok": exported.ok}, None)
             if not exported.ok:
-                raise RuntimeError(f"export differs from the engine: max |Δlogit| {exported.max_abs_logit_diff}")
+                raise UserError(
+                    exported.path,
+                    f"the reloaded export differs from the engine: max |Δlogit| {exported.max_abs_logit_diff:.3g} >"
+                    f" tolerance {exported.tolerance:.3g} ({exported.dtype}); the trained weights are safe in"
+                    f" {args.checkpoint_dir}/{checkpoint.latest_tag(args.checkpoint_dir)}",
+                    f"export them with `python -m deepzero.export {args.out_dir} --out {args.out_dir}/hf-fp32`",
+                )
     if run.is_main:
         report.print_summary(run)
 

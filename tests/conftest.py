@@ -17,11 +17,41 @@ import pytest
 
 from deepzero.errors import UserError
 from deepzero.op_builds import check_op_builds
+from deepzero.precision import DeviceKernels, probe_cpu
 
+os.environ.setdefault("DS_ACCELERATOR", "cpu")  # in-process checks see the device the test ranks use, GPU box or not
 REPO = Path(__file__).resolve().parents[1]
 STDLIB = Path(sysconfig.get_paths()["stdlib"])
 # A few standard-library packages: real Python source, present on every machine, about 1.5 MB.
 CORPUS = [STDLIB / name for name in ("json", "email", "http", "logging", "concurrent", "importlib")]
+CPU = probe_cpu()
+"""The test ranks run on the CPU (DS_ACCELERATOR=cpu, also on a GPU box): what it computes natively."""
+FAKE_CPU = REPO / "tests" / "fake_cpu"
+"""A sitecustomize.py that makes deepzero see a CPU with the kernels named in DEEPZERO_FAKE_CPU_KERNELS."""
+
+needs_native_fp16 = pytest.mark.skipif(
+    not CPU.fp16,
+    reason=f"this CPU ({CPU.name}) has no native fp16 kernels (AVX512-FP16/AMX-FP16): DeepSpeed refuses fp16 here",
+)
+"""For what only fp16 does (loss scaling, skipped overflow steps); elsewhere the seed preset trains in fp32."""
+
+
+NATIVE_16BIT = DeviceKernels("cpu", "a test CPU", fp16=True, bf16=True, detail="faked")
+"""For in-process resolve() calls whose expectations must not depend on the machine: presets keep their types."""
+
+
+def seed_precision() -> str:
+    """The precision the fp16 seed preset (ds_configs/zero2.json) trains in on this machine's CPU."""
+    return "fp16" if CPU.fp16 else "fp32"
+
+
+def bf16_precision() -> str:
+    """The precision the bf16 presets train in on this machine's CPU."""
+    return "bf16" if CPU.bf16 else "fp32"
+
+
+def pytest_report_header() -> str:
+    return f"cpu: {CPU.describe()}"
 
 
 def pytest_sessionstart(session: pytest.Session) -> None:
@@ -36,6 +66,12 @@ def free_port() -> int:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         return s.getsockname()[1]
+
+
+def fake_cpu_vars(kernels: str) -> dict[str, str]:
+    """Environment variables for processes that see a CPU with exactly ``kernels`` ("", "fp16", "bf16", "fp16,bf16")."""
+    path = os.pathsep.join(filter(None, [str(FAKE_CPU), str(REPO), os.environ.get("PYTHONPATH")]))
+    return {"PYTHONPATH": path, "DEEPZERO_FAKE_CPU_KERNELS": kernels}
 
 
 def cpu_env(**extra: str) -> dict[str, str]:

@@ -1,4 +1,5 @@
-"""The environment doctor (a real run on this CPU machine, advice on fabricated reports) and the launch files."""
+"""The environment doctor (a real run on this machine, CPU or CUDA; advice and sections on fabricated reports) and
+the launch files."""
 
 from __future__ import annotations
 
@@ -10,25 +11,41 @@ from pathlib import Path
 from typing import Any
 
 import pytest
+import torch
 
 from deepzero import doctor
+from deepzero.precision import DeviceKernels
 
 ROOT = Path(__file__).resolve().parents[1]
 LAUNCH = ROOT / "launch"
 SHELL_NAMES = {"env_4090.sh", "single_node.sh", "multi_node.sh", "torchrun.sh", "slurm.sbatch"}
 SHELL_FILES = sorted({*(LAUNCH / n for n in SHELL_NAMES), *LAUNCH.glob("*.sh")})
+PRESETS = doctor.load_presets()
+CPU_NONE = DeviceKernels("cpu", "Old Xeon", False, False, "no avx512_fp16/amx_fp16, no avx512_bf16/amx_bf16")
+CPU_BOTH = DeviceKernels("cpu", "Sapphire Rapids", True, True, "amx_fp16, amx_bf16")
+T4 = DeviceKernels("cuda", "Tesla T4", True, False, "compute capability 7.5")
+ALL_TOOLS = {"c++": "/usr/bin/c++", "nvcc": "/usr/local/cuda/bin/nvcc"}
+NO_TOOLS: dict[str, str | None] = {"c++": None, "nvcc": None}
+
+
+def _ds_info(accelerator: str, **extra: Any) -> dict[str, Any]:
+    """deepspeed_info() as on a healthy install with nothing prebuilt."""
+    return {"accelerator": accelerator, "ninja": True, "ops_incompatible": [], "ops_prebuilt": [], **extra}
 
 
 def _report(name: str, n: int, p2p_ok: bool, env: dict[str, str | None] | None = None) -> dict[str, Any]:
     """A report as the doctor would write it for ``n`` GPUs called ``name``."""
     cc = "9.0" if "H100" in name else "8.9"
+    gpu = DeviceKernels("cuda", name, True, True, f"compute capability {cc}")
     return {
         "versions": {"python": "3.11.7", "torch": "2.13.0+cu128", "deepspeed": "0.19.8"},
         "cuda": {"available": True, "torch_cuda": "12.8", "nccl": "2.27.3", "cudnn": 91000, "device_count": n},
         "gpus": [{"index": i, "name": name, "total_memory_gb": 25.3, "compute_capability": cc} for i in range(n)],
         "p2p": [{"src": a, "dst": b, "can_access": p2p_ok} for a in range(n) for b in range(n) if a != b],
         "env": {"DS_ACCELERATOR": None, **(env or {})},
-        "deepspeed": {"accelerator": "cuda", "ninja": True, "ops_incompatible": []},
+        "deepspeed": _ds_info("cuda"),
+        "precision": doctor.precision_report(PRESETS, CPU_BOTH, gpu),
+        "op_builds": doctor.build_report(PRESETS, _ds_info("cuda"), ALL_TOOLS),
         "allreduce": {
             "backend": "nccl",
             "world_size": n,
@@ -56,7 +73,7 @@ RTX4090 = "NVIDIA GeForce RTX 4090"
 
 
 @pytest.fixture(scope="module")
-def cpu_report() -> dict[str, Any]:
+def machine_report() -> dict[str, Any]:
     proc = subprocess.run(
         [sys.executable, "-m", "deepzero.doctor", "--json", "--bandwidth-mb", "4"],
         cwd=ROOT,
@@ -68,18 +85,33 @@ def cpu_report() -> dict[str, Any]:
     return json.loads(proc.stdout)
 
 
-def test_doctor_json_on_cpu(cpu_report: dict[str, Any]) -> None:
+def test_doctor_json_on_this_machine(machine_report: dict[str, Any]) -> None:
+    """The real report: what it says about GPUs, NCCL and the accelerator follows this machine (CPU or CUDA)."""
+    from deepspeed.accelerator import get_accelerator
+
+    report = machine_report
     for package in ("python", "torch", "deepspeed", "transformers", "accelerate"):
-        assert cpu_report["versions"][package], package
-    assert cpu_report["gpus"] == [] and cpu_report["p2p"] == []
-    assert cpu_report["deepspeed"]["accelerator"] == "cpu"
-    assert isinstance(cpu_report["deepspeed"]["stale_build_locks"], list)
-    assert "DS_ACCELERATOR" in cpu_report["env"]
-    ar = cpu_report["allreduce"]
-    assert ar["backend"] == "gloo" and ar["world_size"] == 2 and ar["correct"] is True
+        assert report["versions"][package], package
+    n_gpus = torch.cuda.device_count() if torch.cuda.is_available() else 0
+    assert len(report["gpus"]) == n_gpus and len(report["p2p"]) == n_gpus * (n_gpus - 1)
+    assert report["cuda"]["available"] is torch.cuda.is_available()
+    accelerator = get_accelerator().device_name()
+    assert report["deepspeed"]["accelerator"] == accelerator
+    assert isinstance(report["deepspeed"]["stale_build_locks"], list)
+    assert "DS_ACCELERATOR" in report["env"]
+    ar = report["allreduce"]
+    backend, world = ("nccl", min(n_gpus, doctor.MAX_GPU_PROCS)) if n_gpus >= 2 else ("gloo", 2)
+    assert ar["backend"] == backend and ar["world_size"] == world and ar["correct"] is True
     assert ar["algbw_gbps"] > 0 and ar["busbw_gbps"] > 0
-    assert cpu_report["disk"]["free_gb"] > 0
-    assert any("gloo" in tip for tip in cpu_report["advice"])
+    assert report["disk"]["free_gb"] > 0
+    assert any("gloo" in tip for tip in report["advice"]) is (n_gpus == 0)
+    p = report["precision"]
+    assert p["cpu"]["device"] == "cpu" and p["device"]["device"] == accelerator
+    assert [row["preset"] for row in p["presets"]] == [
+        f"ds_configs/{f.name}" for f in sorted(ROOT.glob("ds_configs/*.json"))
+    ]
+    assert all("dtype" in row or "error" in row for row in p["presets"])
+    assert [row["preset"] for row in report["op_builds"]["presets"]] == [row["preset"] for row in p["presets"]]
 
 
 def test_advice_3x4090_without_p2p() -> None:
@@ -142,8 +174,124 @@ def test_bad_model_is_a_user_error(capsys: pytest.CaptureFixture[str]) -> None:
 
 
 def test_allreduce_bench_reports_a_failing_rank() -> None:
-    result = doctor.allreduce_bench(1, "nccl", 2, timeout_s=60)  # this torch has no NCCL: every rank fails at init
-    assert "NCCL" in result["error"] and "busbw_gbps" not in result
+    import torch.distributed as dist
+
+    # Without NCCL every rank fails at init; where NCCL works, an unknown backend fails the same way on any machine.
+    backend = "no-such-backend" if dist.is_nccl_available() else "nccl"
+    result = doctor.allreduce_bench(1, backend, 2, timeout_s=60)
+    assert backend in result["error"].lower() and "busbw_gbps" not in result
+
+
+def _rows(section: dict[str, Any]) -> dict[str, dict[str, Any]]:
+    return {row["preset"]: row for row in section["presets"]}
+
+
+def _cpu_report(kernels: DeviceKernels) -> dict[str, Any]:
+    """A report of a box whose ranks train on this CPU, with the advice and text the doctor prints for it."""
+    report = _report(RTX4090, 0, p2p_ok=False)
+    report["deepspeed"] = _ds_info("cpu")
+    report["precision"] = doctor.precision_report(PRESETS, kernels, kernels)
+    report["op_builds"] = doctor.build_report(PRESETS, _ds_info("cpu"), ALL_TOOLS)
+    report["advice"] = doctor.advice(report)
+    return report
+
+
+def test_presets_cover_fp16_bf16_torch_adam_and_offload() -> None:
+    """The fabricated-report tests below mean something only while ds_configs has each kind of preset."""
+    requested = {name: row["requested"] for name, row in _rows(doctor.precision_report(PRESETS, CPU_BOTH, T4)).items()}
+    assert requested["ds_configs/zero2.json"] == "fp16" and "bf16" in requested.values()
+    ops = {name: doctor.preset_ops(cfg) for name, cfg in PRESETS.items()}
+    assert ops["ds_configs/zero2.json"] == [] and ops["ds_configs/zero2_offload.json"] == ["cpu_adam"]
+
+
+def test_cpu_without_16bit_kernels_trains_presets_in_fp32() -> None:
+    report = _cpu_report(CPU_NONE)
+    rows = _rows(report["precision"])
+    assert rows["ds_configs/zero2.json"]["requested"] == "fp16" and rows["ds_configs/zero2.json"]["dtype"] == "fp32"
+    bf16 = [name for name, row in rows.items() if row["requested"] == "bf16"]
+    assert bf16 and all(rows[name]["dtype"] == "fp32" for name in bf16)
+    (tip,) = [tip for tip in report["advice"] if "--precision" in tip]
+    assert "Old Xeon" in tip and "ds_configs/zero2.json" in tip and all(name in tip for name in bf16)
+    assert "emulated" in tip and "fp16" not in tip.split("--precision")[1]  # fp16 cannot be forced here
+    text = doctor.render_text(report)
+    assert "Old Xeon: native fp32 only" in text and "fp32, not the fp16 it asks for" in text
+
+
+def test_cpu_with_16bit_kernels_keeps_preset_types() -> None:
+    report = _cpu_report(CPU_BOTH)
+    for row in report["precision"]["presets"]:
+        assert row["dtype"] == row["requested"], row
+    assert not any("--precision" in tip for tip in report["advice"])
+    assert "Sapphire Rapids: native fp16 and bf16" in doctor.render_text(report)
+
+
+def test_gpu_without_bf16_cannot_run_bf16_presets() -> None:
+    report = _report("Tesla T4", 1, p2p_ok=True)
+    report["gpus"][0]["compute_capability"] = "7.5"
+    report["precision"] = doctor.precision_report(PRESETS, CPU_NONE, T4)  # the CPU probe is reported on a GPU box too
+    rows = _rows(report["precision"])
+    assert rows["ds_configs/zero2.json"]["dtype"] == "fp16"
+    bf16 = [row for row in rows.values() if row["requested"] == "bf16"]
+    assert bf16 and all("dtype" not in row and "cannot train in bf16" in row["error"] for row in bf16)
+    report["advice"] = doctor.advice(report)
+    assert not any("--precision" in tip for tip in report["advice"])  # that tip is for CPU training only
+    text = doctor.render_text(report)
+    assert "Old Xeon: native fp32 only" in text and "trains on" in text and "cuda, Tesla T4" in text
+    assert text.count("cannot run: Tesla T4") == len(bf16)
+
+
+def test_collect_reports_the_probed_cpu_and_training_device(monkeypatch: pytest.MonkeyPatch, tmp_path: Path) -> None:
+    monkeypatch.setattr(doctor.precision, "probe", lambda: T4)
+    monkeypatch.setattr(doctor.precision, "probe_cpu", lambda: CPU_BOTH)
+    report = doctor.collect(0, str(tmp_path), None)
+    assert (
+        report["precision"]["cpu"]["name"] == "Sapphire Rapids" and report["precision"]["device"]["name"] == "Tesla T4"
+    )
+    assert len(report["precision"]["presets"]) == len(PRESETS) == len(report["op_builds"]["presets"])
+
+
+def test_op_builds_per_preset() -> None:
+    torch_adam = [name for name, cfg in PRESETS.items() if cfg["optimizer"]["params"].get("torch_adam") is True]
+    offload = [n for n, c in PRESETS.items() if c["zero_optimization"].get("offload_optimizer", {}).get("device")]
+    assert torch_adam and offload and not set(torch_adam) & set(offload)
+    bare = _rows(doctor.build_report(PRESETS, _ds_info("cpu"), NO_TOOLS))
+    for name in torch_adam:
+        assert bare[name]["ops"] == [] and bare[name]["missing"] == [], name
+    for name in offload:
+        assert bare[name]["build"] == ["cpu_adam"] and bare[name]["missing"] == [doctor.JIT_TOOLS["c++"]], name
+        assert (
+            doctor._build_cell(bare[name])
+            == "cpu_adam, compiled on first use with c++: missing: a C++ compiler (c++ or g++)"
+        )
+    cuda = _rows(doctor.build_report(PRESETS, _ds_info("cuda"), {"c++": "/usr/bin/g++", "nvcc": None}))
+    assert all(cuda[name]["missing"] == [doctor.JIT_TOOLS["nvcc"]] for name in offload)
+    assert all(doctor._build_cell(cuda[name]).endswith(": ok") for name in torch_adam)
+    prebuilt = _rows(doctor.build_report(PRESETS, _ds_info("cuda", ops_prebuilt=["cpu_adam"]), NO_TOOLS))
+    assert all(prebuilt[name]["build"] == [] and prebuilt[name]["missing"] == [] for name in offload)
+
+
+def test_preset_ops_follow_deepspeeds_choice() -> None:
+    adam = {"optimizer": {"type": "AdamW", "params": {"lr": 1e-4}}, "zero_optimization": {"stage": 2}}
+    assert doctor.preset_ops(adam) == ["fused_adam"]
+    row = doctor.preset_build("x.json", adam, {"c++": "/usr/bin/c++", "nvcc": None}, _ds_info("cuda"))
+    assert row["tools"] == ["c++", "nvcc"] and row["missing"] == [doctor.JIT_TOOLS["nvcc"]]
+    offloaded = {**adam, "zero_optimization": {"stage": 3, "offload_optimizer": {"device": "nvme"}}}
+    assert doctor.preset_ops(offloaded) == ["cpu_adam"]
+    torch_adam = {**offloaded, "optimizer": {"type": "AdamW", "params": {"torch_adam": True}}}
+    assert doctor.preset_ops(torch_adam) == []  # DeepSpeed checks torch_adam before offload
+    broken = doctor.preset_build("x.json", adam, ALL_TOOLS, _ds_info("cuda", ops_incompatible=["fused_adam"]))
+    assert broken["missing"] == ["fused_adam, which DeepSpeed cannot build here"]
+
+
+def test_toolchain_finds_nvcc_in_cuda_home(monkeypatch: pytest.MonkeyPatch, tmp_path: Path) -> None:
+    nvcc = tmp_path / "bin" / "nvcc"
+    nvcc.parent.mkdir()
+    nvcc.write_text("")
+    monkeypatch.setenv("PATH", str(tmp_path / "empty"))
+    monkeypatch.setenv("CUDA_HOME", str(tmp_path))
+    assert doctor.toolchain() == {"c++": None, "nvcc": str(nvcc)}
+    monkeypatch.delenv("CUDA_HOME")
+    assert doctor.toolchain()["nvcc"] is None
 
 
 @pytest.mark.parametrize("path", SHELL_FILES, ids=lambda p: p.name)

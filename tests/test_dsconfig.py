@@ -6,6 +6,7 @@ import json
 from pathlib import Path
 
 import pytest
+from conftest import NATIVE_16BIT
 
 from deepzero.dsconfig import BatchMath, TrainingHints, resolve
 from deepzero.errors import UserError
@@ -37,7 +38,7 @@ def test_every_preset_is_valid_for_three_ranks_and_names_its_launch_command(path
 
 
 def test_seed_preset_keeps_its_knobs() -> None:
-    cfg = resolve("ds_configs/zero2.json", dp_size=3, hints=HINTS).ds
+    cfg = resolve("ds_configs/zero2.json", dp_size=3, hints=HINTS, kernels=NATIVE_16BIT).ds
     assert cfg["fp16"]["enabled"] and cfg["fp16"]["loss_scale"] == 0
     zero = cfg["zero_optimization"]
     assert (zero["stage"], zero["allgather_partitions"], zero["allgather_bucket_size"], zero["reduce_scatter"]) == (
@@ -48,7 +49,14 @@ def test_seed_preset_keeps_its_knobs() -> None:
     )
     assert cfg["optimizer"] == {
         "type": "AdamW",
-        "params": {"lr": 3e-5, "betas": [0.9, 0.999], "eps": 1e-8, "weight_decay": 0.01},
+        "params": {
+            "lr": 3e-5,
+            "betas": [0.9, 0.999],
+            "eps": 1e-8,
+            "weight_decay": 0.01,
+            "torch_adam": True,
+            "fused": True,
+        },
     }
     assert cfg["scheduler"]["type"] == "WarmupLR" and cfg["scheduler"]["params"]["warmup_num_steps"] == 500
 

@@ -21,7 +21,7 @@ from pathlib import Path
 
 import pytest
 import torch
-from conftest import REPO, STDLIB, cpu_env, free_port, launch, run_bounded
+from conftest import CPU, REPO, STDLIB, cpu_env, fake_cpu_vars, free_port, launch, run_bounded
 
 DOC = REPO / "docs" / "errors.md"
 WILDCARDS = ("reason", "presets")
@@ -257,6 +257,11 @@ def cases(tiny_data: Path, root: Path) -> dict[str, Case]:
         train_py("--model", str(model), *small_args(tiny_data, out)), {"model": str(model)}, out
     )
 
+    out = fake_run(row("Forced precision"))
+    made["Forced precision the device cannot run"] = Case(
+        train_py("--precision", "fp16", *small_args(tiny_data, out)), {"cpu": CPU.name}, out, fake_cpu_vars("")
+    )
+
     out = fake_run(row("Experts on dense"))
     made["MoE experts kernel chosen for a dense model"] = Case(
         train_py("--model", "deepseek-coder-1.3b", "--experts-impl", "grouped_mm", *small_args(tiny_data, out)),
@@ -309,6 +314,7 @@ SINGLE_PROCESS_ROWS = [
     "Model that needs its own code (trust_remote_code)",
     "Model folder with only pickled .bin weights",
     "MoE experts kernel chosen for a dense model",
+    "Forced precision the device cannot run",
 ]
 LAUNCHER_ROWS = ["Corrupt checkpoint (truncated file)"]
 

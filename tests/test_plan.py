@@ -11,6 +11,7 @@ from dataclasses import replace
 from pathlib import Path
 
 import pytest
+import torch
 from conftest import REPO, cpu_env, launch
 
 from deepzero import plan
@@ -266,7 +267,7 @@ def test_predicted_bytes_equal_what_deepspeed_holds(stage: int, tmp_path: Path, 
 
 
 def test_gpu_bench_exits_cleanly_without_cuda() -> None:
-    if plan.detected_gpu_mem_gb() is not None:
+    if torch.cuda.is_available():  # the bench looks at torch's CUDA, whatever accelerator the test ranks use
         pytest.skip("CUDA present: run bench/gpu_memory.py by hand")
     proc = subprocess.run(
         [sys.executable, "bench/gpu_memory.py"], cwd=REPO, env=cpu_env(), capture_output=True, text=True, timeout=120

@@ -28,10 +28,11 @@ from pathlib import Path
 import psutil
 import pytest
 import torch
-from conftest import REPO, cpu_env, free_port, launch, losses, records
+from conftest import REPO, cpu_env, free_port, launch, losses, needs_native_fp16, records
 from safetensors.torch import load_file
 
 from deepzero.checkpoint import latest_tag, published_tags, tag_for
+from deepzero.precision import logit_tolerance
 
 launcher = pytest.mark.launcher
 """Tests that start the real launcher (deselect with -m "not launcher")."""
@@ -171,13 +172,14 @@ def export_cli(ckpt: Path, out: Path, *extra: str) -> subprocess.CompletedProces
 
 
 def assert_same_model(master: Path, trained: Path) -> None:
-    """``master`` (fp32 master weights) rounded to the trainer's 16-bit dtype is bit-equal to ``trained``, and
-    their logits (both computed in fp32) agree within one unit of 16-bit precision of the logit scale.
+    """``master`` (fp32 master weights) rounded to the trainer's dtype is bit-equal to ``trained``, and their
+    logits (both computed in fp32) agree within a few units of that dtype's precision at the logit scale.
 
     Why that tolerance: the trainer's own export holds each fp32 master weight rounded to bf16/fp16 (relative error
-    at most eps/2 per weight). Those roundings perturb the logits by about the same relative amount and partly
-    cancel; here the gap is ~0.2 eps × max|logit|, we allow 1 eps × max|logit| (bf16: ~0.016, fp16: ~0.002 for
-    logits of magnitude 2). Wrong or shuffled weights move the logits by order 1.
+    at most eps/2 per weight). Those roundings perturb the logits by about the same relative amount, partly cancel,
+    and add up over the layers; a top-k routing choice on a near-tie can flip. The worst logit's gap was 0.2 eps ×
+    max|logit| on an AVX512-FP16 CPU and 4.3 on an EPYC without AVX-512 (issue 11); ``logit_tolerance`` allows 4 on
+    the median token and 16 on the worst. Wrong or shuffled weights move the logits by order 1. An fp32 run exports its masters unrounded: equal.
     """
     from transformers import AutoModelForCausalLM
 
@@ -186,16 +188,20 @@ def assert_same_model(master: Path, trained: Path) -> None:
     assert {v.dtype for v in a.values()} == {torch.float32}
     for name in a:
         assert torch.equal(a[name].to(b[name].dtype), b[name]), name
-    low = next(v.dtype for v in b.values() if v.dtype != torch.float32)
+    low = next((v.dtype for v in b.values() if v.dtype != torch.float32), torch.float32)
     ids = torch.randint(0, 512, (2, 64), generator=torch.Generator().manual_seed(0))
     with torch.no_grad():
         la, lb = (
             AutoModelForCausalLM.from_pretrained(d, dtype=torch.float32).eval()(input_ids=ids).logits
             for d in (master, trained)
         )
-    tolerance = torch.finfo(low).eps * lb.abs().max().item()
-    gap = (la - lb).abs().max().item()
-    assert 0 < gap <= tolerance, f"max |Δlogit| {gap:.5f} vs tolerance {tolerance:.5f} ({low})"
+    gap = (la - lb).abs()
+    if low == torch.float32:
+        assert gap.max().item() == 0
+        return
+    typical, worst = gap.amax(-1).median().item(), gap.max().item()
+    assert 0 < typical <= logit_tolerance(low, lb), f"median-token |Δlogit| {typical:.5f} ({low})"
+    assert worst <= logit_tolerance(low, lb, ulps=16), f"max |Δlogit| {worst:.5f} ({low})"
 
 
 # ----------------------------------------------------------------------- 1 + 3: ZeRO-3 bf16, preempt, resume
@@ -451,6 +457,7 @@ def test_only_the_last_k_checkpoints_are_kept(killed_mid_save: tuple[Path, int, 
 
 
 @launcher
+@needs_native_fp16
 def test_fp16_overflow_steps_are_counted_and_logged(killed_mid_save: tuple[Path, int, float, str]) -> None:
     out = killed_mid_save[0]
     log = records(out)

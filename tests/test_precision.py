@@ -1,0 +1,155 @@
+"""The precision decision (issue 11): the preset's 16-bit type against what the device computes natively.
+
+Both answers run on every machine: in-process with made-up kernels, and through the real launcher with the
+CPU faked by tests/fake_cpu/sitecustomize.py (a CPU without native 16-bit kernels can be faked anywhere, since
+the fallback, fp32, runs everywhere).
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+import torch
+from conftest import cpu_env, fake_cpu_vars, launch, records
+from hypothesis import given
+from hypothesis import strategies as st
+
+from deepzero import precision
+from deepzero.dsconfig import TrainingHints, resolve
+from deepzero.errors import UserError
+from deepzero.export import ExportReport
+from deepzero.precision import DeviceKernels, decide
+
+NO_16BIT_CPU = DeviceKernels("cpu", "Old CPU", fp16=False, bf16=False, detail="no avx512_fp16/amx_fp16, no avx512_bf16")
+BF16_CPU = DeviceKernels("cpu", "Zen 4", fp16=False, bf16=True, detail="avx512_bf16, no avx512_fp16/amx_fp16")
+FULL_CPU = DeviceKernels("cpu", "Sapphire Rapids", fp16=True, bf16=True, detail="avx512_fp16 amx_bf16")
+TURING = DeviceKernels("cuda", "Tesla T4", fp16=True, bf16=False, detail="compute capability 7.5")
+ADA = DeviceKernels("cuda", "NVIDIA GeForce RTX 4090", fp16=True, bf16=True, detail="compute capability 8.9")
+HINTS = TrainingHints(max_steps=10, hidden_size=64)
+
+
+@pytest.mark.parametrize(
+    ("kernels", "fp16_preset", "bf16_preset"),
+    [(NO_16BIT_CPU, "fp32", "fp32"), (BF16_CPU, "fp32", "bf16"), (FULL_CPU, "fp16", "bf16"), (ADA, "fp16", "bf16")],
+    ids=["cpu-none", "cpu-bf16", "cpu-both", "gpu"],
+)
+def test_presets_keep_their_type_where_native_and_fall_back_to_fp32_on_a_cpu(
+    kernels: DeviceKernels, fp16_preset: str, bf16_preset: str
+) -> None:
+    for requested, expected in (("fp16", fp16_preset), ("bf16", bf16_preset), ("fp32", "fp32")):
+        choice = decide(requested, "ds_configs/x.json", None, kernels)
+        assert (choice.dtype, choice.requested, choice.changed) == (expected, requested, expected != requested)
+        if choice.changed:
+            assert f"no native {requested} kernels ({kernels.detail})" in choice.reason
+
+
+def test_a_gpu_without_bf16_refuses_a_bf16_preset_in_one_line() -> None:
+    with pytest.raises(UserError) as err:
+        decide("bf16", "ds_configs/zero2_bf16.json", None, TURING)
+    assert str(err.value) == (
+        "ds_configs/zero2_bf16.json: bf16.enabled: Tesla T4 (compute capability 7.5) cannot train in bf16. "
+        "Fix: use an fp16 preset (ds_configs/zero2.json) or --precision fp16"
+    )
+    assert decide("fp16", "ds_configs/zero2.json", None, TURING).dtype == "fp16"
+
+
+def test_forced_precision_wins_where_the_device_can_run_it() -> None:
+    assert decide("fp16", "p.json", "fp32", FULL_CPU).dtype == "fp32"
+    assert decide("fp32", "p.json", "bf16", NO_16BIT_CPU).dtype == "bf16"  # emulated on a CPU: slow but runs
+    assert decide("bf16", "p.json", "fp16", TURING).source == "--precision"
+    with pytest.raises(
+        UserError, match=r"^--precision fp16: Old CPU has no native fp16 kernels .* Fix: pass --precision fp32$"
+    ):
+        decide("bf16", "p.json", "fp16", NO_16BIT_CPU)
+    with pytest.raises(UserError, match=r"Fix: pass --precision fp32 or --precision fp16$"):
+        decide("fp16", "p.json", "bf16", TURING)
+
+
+@given(
+    device=st.sampled_from(["cpu", "cuda"]),
+    fp16=st.booleans(),
+    bf16=st.booleans(),
+    requested=st.sampled_from(precision.PRECISIONS),
+    forced=st.sampled_from([None, *precision.PRECISIONS]),
+)
+def test_the_decision_never_picks_a_type_the_device_would_refuse_or_emulate_unasked(
+    device: str, fp16: bool, bf16: bool, requested: str, forced: str | None
+) -> None:
+    kernels = DeviceKernels(device, "dev", fp16=fp16 or device == "cuda", bf16=bf16, detail="made up")
+    try:
+        choice = decide(requested, "p.json", forced, kernels)
+    except UserError as err:
+        assert str(err).count("Fix: ") == 1 and "\n" not in str(err)
+        return
+    native = choice.dtype == "fp32" or getattr(kernels, choice.dtype)
+    assert native or (forced == "bf16" and device == "cpu")  # only an explicit --precision bf16 may emulate
+    if forced is None and (requested == "fp32" or getattr(kernels, requested) or device == "cuda"):
+        assert choice.dtype == requested  # a GPU or a capable CPU runs the preset as written
+
+
+def test_resolve_rewrites_the_deepspeed_sections_to_the_decision() -> None:
+    cfg = resolve("ds_configs/zero2.json", 3, HINTS, kernels=NO_16BIT_CPU)
+    assert cfg.precision == "fp32" and cfg.precision_choice.requested == "fp16"
+    assert cfg.ds["fp16"]["enabled"] is False and cfg.ds["fp16"]["loss_scale"] == 0 and "bf16" not in cfg.ds
+    cfg = resolve("ds_configs/zero2.json", 3, HINTS, precision="bf16", kernels=BF16_CPU)
+    assert (cfg.ds["bf16"], cfg.ds["fp16"]["enabled"]) == ({"enabled": True}, False)
+    cfg = resolve("ds_configs/zero3.json", 3, HINTS, kernels=FULL_CPU)
+    assert cfg.precision == "bf16" and cfg.ds["bf16"]["enabled"] is True
+    assert cfg.precision_choice.describe() == (
+        "precision: bf16 (bf16 asked by ds_configs/zero3.json; Sapphire Rapids has native bf16)"
+    )
+
+
+def test_this_machines_cpu_is_probed_consistently_with_deepspeed() -> None:
+    """DeepSpeed refuses fp16 on a CPU unless oneDNN has fp16 kernels: the probe must say the same."""
+    from deepspeed.accelerator.cpu_accelerator import CPU_Accelerator
+
+    kernels = precision.probe_cpu()
+    assert kernels.fp16 == bool(CPU_Accelerator().is_fp16_supported())
+    assert kernels.name and kernels.detail and kernels.device == "cpu"
+
+
+def test_logit_tolerance_follows_the_dtype_and_the_magnitude() -> None:
+    small, large = torch.tensor([0.5, -2.0]), torch.tensor([40.0])
+    bf16 = precision.logit_tolerance(torch.bfloat16, small)
+    assert bf16 == pytest.approx(4 * 2**-7 * 2.0)
+    assert precision.logit_tolerance(torch.bfloat16, large) == pytest.approx(20 * bf16)
+    assert precision.logit_tolerance(torch.float16, small) == pytest.approx(bf16 / 8)
+    assert precision.logit_tolerance(torch.float32, small) == 1e-4  # floor
+
+
+def test_the_export_check_allows_more_across_devices_but_not_a_wrong_model() -> None:
+    logits = torch.full((1, 4, 8), 10.0)
+    ulp = torch.finfo(torch.bfloat16).eps * 10
+    few_ulps = torch.full_like(logits, 3 * ulp)
+    cpu = ExportReport.measured(Path("hf"), few_ulps, torch.bfloat16, logits, "cpu")
+    gpu = ExportReport.measured(Path("hf"), few_ulps, torch.bfloat16, logits, "cuda:0")
+    assert not cpu.ok and gpu.ok  # same kernels must agree to rounding; a GPU engine vs a CPU reload, a few ulps
+    wrong = torch.full_like(logits, 2.0)  # weights from another model move logits by the order of their scale
+    assert not ExportReport.measured(Path("hf"), wrong, torch.bfloat16, logits, "cuda:0").ok
+
+
+@pytest.mark.launcher
+def test_the_seed_preset_on_a_cpu_without_fp16_trains_in_fp32_and_says_so(tiny_data: Path, tmp_path: Path) -> None:
+    """Faked CPU without native 16-bit kernels, 1 rank: one warning line, the header and run_config.json record
+    the decision, and the run trains (no loss scale: fp32)."""
+    out = tmp_path / "run"
+    args = ["--deepspeed_config", "ds_configs/zero2.json", "--data", str(tiny_data), "--out", str(out)]
+    args += ["--max-steps", "2", "--micro-batch", "2", "--grad-accum", "1", "--log-interval", "1", "--no-export"]
+    args += ["--eval-interval", "0", "--save-interval", "0", "--lr", "3e-3"]
+
+    proc = launch(args, nproc=1, env=cpu_env(**fake_cpu_vars("")))
+    warnings = [line for line in proc.stderr.splitlines() if line.startswith("warning: precision")]
+    assert warnings == [
+        "warning: precision: fp32 (fp16 asked by ds_configs/zero2.json; this CPU has no native fp16 kernels"
+        " (faked by tests/fake_cpu: none); DeepSpeed refuses fp16 there, so fp32). Fix: pass --precision to choose"
+        " another"
+    ], proc.stderr[-2000:]
+    assert "ZeRO-2  fp32" in proc.stdout and "precision: fp32 (fp16 asked by" in proc.stdout
+    recorded = json.loads((out / "run_config.json").read_text())
+    assert recorded["precision"]["dtype"] == "fp32" and recorded["precision"]["requested"] == "fp16"
+    assert recorded["precision"]["kernels"]["fp16"] is False
+    assert recorded["deepspeed"]["fp16"]["enabled"] is False
+    assert [r["step"] for r in records(out)] == [1, 2] and "loss_scale" not in records(out)[-1]
