@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import difflib
 import json
+import math
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Literal
@@ -114,6 +115,8 @@ class TrainArgs:
                 raise UserError(f"--{name.replace('_', '-')}", "must be at least 1", "pass a positive integer")
         if self.device_map not in (None, "balanced"):
             raise UserError(f"--device-map {self.device_map}", "unknown placement", "use --device-map balanced")
+        if self.lr is not None and not (math.isfinite(self.lr) and self.lr > 0):
+            raise UserError("--lr", f"must be a positive number, got {self.lr}", "pass e.g. --lr 3e-5")
         for name in ("eval_interval", "save_interval"):
             if getattr(self, name) < 0:
                 raise UserError(f"--{name.replace('_', '-')}", "must be 0 (off) or positive", "pass 0 or more")

@@ -11,6 +11,7 @@ import copy
 import difflib
 import inspect
 import json
+import math
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -234,6 +235,9 @@ def validate(cfg: dict[str, Any]) -> list[str]:
     if cfg.get("fp16", {}).get("enabled") and cfg.get("bf16", {}).get("enabled"):
         problems.append("both 'fp16.enabled' and 'bf16.enabled' are true (pick one)")
     if opt := cfg.get("optimizer"):
+        lr = opt.get("params", {}).get("lr")
+        if lr != "auto" and not (isinstance(lr, int | float) and math.isfinite(lr) and lr > 0):
+            problems.append(f"'optimizer.params.lr' must be a positive number, got {lr!r}")
         known = OPTIMIZER_PARAMS.get(str(opt.get("type", "")).lower())
         if known is None:
             problems.append(f"'optimizer.type' {opt.get('type')!r} is not one of {sorted(OPTIMIZER_PARAMS)}")

@@ -135,3 +135,11 @@ def test_dotted_overrides_apply_before_validation(tmp_path: Path) -> None:
     path = write(tmp_path, seed_preset())
     cfg = resolve(path, dp_size=3, hints=HINTS, overrides=["zero_optimization.stage=3", "fp16.enabled=false"]).ds
     assert cfg["zero_optimization"]["stage"] == 3 and cfg["fp16"]["enabled"] is False
+
+
+@pytest.mark.parametrize("bad", [-1, 0, float("nan"), "fast"])
+def test_a_learning_rate_that_is_not_a_positive_number_is_named(tmp_path: Path, bad: object) -> None:
+    cfg = seed_preset()
+    cfg["optimizer"]["params"]["lr"] = bad
+    with pytest.raises(UserError, match=r"'optimizer\.params\.lr' must be a positive number"):
+        resolve(write(tmp_path, cfg), dp_size=3, hints=HINTS)

@@ -257,6 +257,11 @@ def cases(tiny_data: Path, root: Path) -> dict[str, Case]:
         train_py("--model", str(model), *small_args(tiny_data, out)), {"model": str(model)}, out
     )
 
+    out = fake_run(row("Negative lr"))
+    made["Learning rate that is not a positive number"] = Case(
+        train_py("--lr", "-1", *small_args(tiny_data, out)), {}, out
+    )
+
     out = fake_run(row("Forced precision"))
     made["Forced precision the device cannot run"] = Case(
         train_py("--precision", "fp16", *small_args(tiny_data, out)), {"cpu": CPU.name}, out, fake_cpu_vars("")
@@ -315,6 +320,7 @@ SINGLE_PROCESS_ROWS = [
     "Model folder with only pickled .bin weights",
     "MoE experts kernel chosen for a dense model",
     "Forced precision the device cannot run",
+    "Learning rate that is not a positive number",
 ]
 LAUNCHER_ROWS = ["Corrupt checkpoint (truncated file)"]
 

@@ -541,13 +541,15 @@ def test_one_rank_killed_mid_step_ends_the_whole_job_nonzero(tiny_data: Path, tm
 
 @pytest.fixture(scope="module")
 def nan_run(tiny_data: Path, tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, subprocess.CompletedProcess]:
-    """fp32 ZeRO-2 with a NaN learning rate (a stand-in for a diverged run): the loss turns NaN after 2 updates.
+    """fp32 ZeRO-2 with a learning rate of 1e39 (a stand-in for a diverged run): beyond fp32's range, so once the
+    warm-up is over an update makes the weights infinite and the loss is NaN from then on (DeepSpeed then skips the
+    updates, whose gradients are not finite).
 
     A checkpoint every step and ``--max-nonfinite-steps 2``.
     """
     out = tmp_path_factory.mktemp("nan") / "run"
     args = tiny_args(tiny_data, out, "--max-steps", "12", "--save-interval", "1", "--no-export")
-    args[args.index("3e-3")] = "nan"
+    args[args.index("3e-3")] = "1e39"
     args += ["--warmup-steps", "1", "--max-nonfinite-steps", "2", "--ds", "fp16.enabled=false"]
     return out, launch([*ZERO2, *args], nproc=2, check=False)
 
@@ -584,11 +586,11 @@ def test_the_checkpoint_kept_after_nan_holds_finite_weights(nan_run: tuple[Path,
 
 @launcher
 def test_a_run_that_ends_with_broken_weights_neither_saves_nor_exports_them(tiny_data: Path, tmp_path: Path) -> None:
-    """The NaN learning rate again, but the run ends (3 steps) before --max-nonfinite-steps (5) is reached: the
+    """The 1e39 learning rate again, but the run ends (3 steps) before --max-nonfinite-steps (5) is reached: the
     final save and the HF export must refuse the broken weights with one line and keep the last good checkpoint."""
     out = tmp_path / "run"
     args = tiny_args(tiny_data, out, "--max-steps", "3", "--save-interval", "1")
-    args[args.index("3e-3")] = "nan"
+    args[args.index("3e-3")] = "1e39"
     args += ["--warmup-steps", "1", "--max-nonfinite-steps", "5", "--ds", "fp16.enabled=false"]
     proc = launch([*ZERO2, *args], nproc=2, check=False)
     assert proc.returncode == 2, proc.stderr[-3000:]
