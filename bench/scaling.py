@@ -22,7 +22,6 @@ import itertools
 import json
 import os
 import platform
-import socket
 import statistics
 import subprocess
 import sys
@@ -32,6 +31,8 @@ from pathlib import Path
 from typing import Any
 
 import torch
+
+from deepzero.distributed import free_port
 
 REPO = Path(__file__).resolve().parents[1]
 RESULTS = REPO / "bench" / "results"
@@ -51,12 +52,6 @@ def launch_env() -> dict[str, str]:
         env |= {"DS_ACCELERATOR": "cpu", "OMP_NUM_THREADS": "1"}
     env.pop("WANDB_API_KEY", None)
     return env
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def busy_cores(interval: float = 2.0) -> float:

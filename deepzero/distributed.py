@@ -16,6 +16,13 @@ from deepspeed.accelerator import get_accelerator
 SHM_DIR = Path("/dev/shm")
 
 
+def free_port() -> int:
+    """A TCP port on 127.0.0.1 that nothing listens on right now (for a process group's rendezvous)."""
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return sock.getsockname()[1]
+
+
 def on_cuda() -> bool:
     """True when ranks train on CUDA cards: DeepSpeed's accelerator, not whether torch sees a GPU (a GPU box with
     DS_ACCELERATOR=cpu trains on the CPU)."""
@@ -27,9 +34,7 @@ def init_distributed() -> tuple[int, int]:
     for key, default in (("RANK", "0"), ("LOCAL_RANK", "0"), ("WORLD_SIZE", "1"), ("MASTER_ADDR", "127.0.0.1")):
         os.environ.setdefault(key, default)
     if "MASTER_PORT" not in os.environ:  # a lone `python train.py`: any free port, so several can run side by side
-        with socket.socket() as sock:
-            sock.bind(("127.0.0.1", 0))
-            os.environ["MASTER_PORT"] = str(sock.getsockname()[1])
+        os.environ["MASTER_PORT"] = str(free_port())
     get_accelerator().set_device(int(os.environ["LOCAL_RANK"]))
     if not on_cuda() and "OMP_NUM_THREADS" not in os.environ:
         local_world = int(os.environ.get("LOCAL_WORLD_SIZE", os.environ["WORLD_SIZE"]))
@@ -37,6 +42,25 @@ def init_distributed() -> tuple[int, int]:
     deepspeed.init_distributed(dist_init_required=True, verbose=False)
     release_shm_buffers()
     return dist.get_rank(), dist.get_world_size()
+
+
+def all_reduce_mean(t: torch.Tensor) -> float:
+    """The mean of ``t`` (a scalar) over every rank, read on the host."""
+    t = t.detach().clone().float()
+    if dist.is_initialized():
+        dist.all_reduce(t)
+        t /= dist.get_world_size()
+    return t.item()
+
+
+def all_reduce_max(x: float) -> float:
+    """The largest ``x`` over every rank (gloo reduces host tensors; NCCL needs them on the card)."""
+    t = torch.tensor(x)
+    if dist.is_initialized() and dist.get_backend() != "gloo":
+        t = t.to(get_accelerator().current_device_name())
+    if dist.is_initialized():
+        dist.all_reduce(t, op=dist.ReduceOp.MAX)
+    return t.item()
 
 
 def exit_process(code: int) -> NoReturn:

@@ -17,7 +17,6 @@ import platform
 import queue as queue_mod
 import re
 import shutil
-import socket
 import sys
 import time
 from dataclasses import asdict
@@ -150,24 +149,15 @@ def deepspeed_info() -> dict[str, Any]:
 
 
 def param_count(model: str) -> int:
-    """Number of parameters of a preset or a local model folder, counted on the meta device (no weights)."""
-    from transformers import AutoConfig, AutoModelForCausalLM
+    """Number of parameters of a model (``--model`` as in plan), counted on the meta device (no weights)."""
+    from transformers import AutoModelForCausalLM
 
-    from deepzero.presets import PRESETS, get_preset
+    from deepzero.flops import count_params
+    from deepzero.modeling import planning_config
 
-    if model in PRESETS:
-        config = get_preset(model).config()
-    elif (Path(model) / "config.json").is_file():
-        config = AutoConfig.from_pretrained(model)
-    else:
-        raise UserError(
-            f"--model {model}",
-            "not a preset nor a local folder with a config.json",
-            f"use one of: {', '.join(PRESETS)}",
-        )
     with torch.device("meta"):
-        net = AutoModelForCausalLM.from_config(config)
-    return sum(p.numel() for p in net.parameters())
+        net = AutoModelForCausalLM.from_config(planning_config(model)[1])
+    return count_params(net).total
 
 
 def disk(checkpoint_dir: str, model: str | None) -> dict[str, Any]:
@@ -283,12 +273,6 @@ def build_report(
 # ---------------------------------------------------------------------------------------------- all-reduce
 
 
-def _free_port() -> int:
-    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
-        sock.bind(("127.0.0.1", 0))
-        return sock.getsockname()[1]
-
-
 def _allreduce_worker(
     rank: int, world: int, port: int, backend: str, numel: int, iters: int, out: Any, timeout_s: float
 ) -> None:
@@ -341,7 +325,9 @@ def allreduce_bench(size_mb: float, backend: str, world: int, timeout_s: float =
     result: dict[str, Any] = {"backend": backend, "world_size": world, "size_mb": size_mb, "iters": ALLREDUCE_ITERS}
     ctx = torch.multiprocessing.get_context("spawn")
     out = ctx.Queue()
-    port = _free_port()
+    from deepzero.distributed import free_port  # imports deepspeed, which the doctor may find missing
+
+    port = free_port()
     procs = [
         ctx.Process(
             target=_allreduce_worker,

@@ -36,16 +36,20 @@ class ParamCounts:
     active: int
     """Parameters touched per token: routed experts scaled by top-k / n_experts."""
     embedding: int
+    trainable: int
+    """Parameters that require grad (all of them, unless frozen, e.g. around LoRA adapters)."""
+
+
+def numel(p: torch.nn.Parameter) -> int:
+    """Elements of ``p``, also when ZeRO-3 has partitioned it away (``ds_numel``; the local tensor is empty)."""
+    return int(getattr(p, "ds_numel", p.numel()))
 
 
 def count_params(model: torch.nn.Module) -> ParamCounts:
-    """Total, active (MoE) and input-embedding parameter counts. Works on meta, ZeRO-3 (ds_numel) and real tensors."""
+    """Total, active (MoE), input-embedding and trainable parameter counts, on meta, ZeRO-3 or real tensors."""
     config = model.config
-
-    def numel(p: torch.nn.Parameter) -> int:
-        return int(getattr(p, "ds_numel", p.numel()))
-
     total = sum(numel(p) for p in model.parameters())
+    trainable = sum(numel(p) for p in model.parameters() if p.requires_grad)
     embedding = sum(numel(p) for p in model.get_input_embeddings().parameters())
     n_experts = routed_experts(config)
     top_k = getattr(config, "num_experts_per_tok", None)
@@ -57,7 +61,7 @@ def count_params(model: torch.nn.Module) -> ParamCounts:
         active = total - routed + routed * top_k // n_experts
     else:
         active = total
-    return ParamCounts(total=total, active=active, embedding=embedding)
+    return ParamCounts(total=total, active=active, embedding=embedding, trainable=trainable)
 
 
 def flops_per_token(model: torch.nn.Module, seq_len: int) -> float:

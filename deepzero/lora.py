@@ -51,6 +51,7 @@ from deepzero.export import (
     eval_logits,
     publish_and_compare,
 )
+from deepzero.flops import count_params
 
 FLAG = "--lora"
 KEYS = ("r", "alpha", "dropout", "targets")
@@ -297,16 +298,6 @@ class LoraSummary:
         )
 
 
-def _numel(p: torch.nn.Parameter) -> int:
-    return int(getattr(p, "ds_numel", p.numel()))  # ZeRO-3 partitioned params have numel 0 locally
-
-
-def param_counts(model: torch.nn.Module) -> tuple[int, int]:
-    """(trainable, total) parameter counts; correct under ZeRO-3 partitioning."""
-    trainable = sum(_numel(p) for p in model.parameters() if p.requires_grad)
-    return trainable, sum(_numel(p) for p in model.parameters())
-
-
 def apply_lora(model: torch.nn.Module, spec: LoraSpec, verbose: bool = True) -> torch.nn.Module:
     """Wrap ``model`` with peft LoRA adapters; only adapter weights keep requires_grad. Call before
     ``deepspeed.initialize`` (under ZeRO-3 the model may already be partitioned by zero.Init: that is fine)."""
@@ -326,7 +317,8 @@ def apply_lora(model: torch.nn.Module, spec: LoraSpec, verbose: bool = True) -> 
             f"peft wrapped {len(linear)} Linear layers and {len(experts)} expert tensors, expected"
             f" {len(expected_linear)} and {len(expected_experts)} (targets {targets})"
         )
-    trainable, total = param_counts(peft_model)
+    counts = count_params(peft_model)
+    trainable, total = counts.trainable, counts.total
     summary = LoraSummary(targets.modules, targets.parameters, len(linear), len(experts), trainable, total)
     peft_model._deepzero_lora = summary
     if verbose and _rank() == 0:

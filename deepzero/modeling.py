@@ -67,6 +67,27 @@ def load_config(source: ModelSource, trust_remote_code: bool = False) -> Pretrai
         raise
 
 
+def planning_config(spec: str) -> tuple[str, PretrainedConfig]:
+    """``--model`` for offline planning (plan, placement, doctor): a preset name or a preset's hub id (its config,
+    no download), a local folder with config.json, or a hub id. Returns a display name and the config; no weights."""
+    if spec in PRESETS:
+        return spec, PRESETS[spec].config()
+    for preset in PRESETS.values():
+        if preset.hub_id == spec:
+            return preset.name, preset.config()
+    where = f"--model {spec}"
+    if Path(spec).is_dir():
+        if not (Path(spec) / "config.json").is_file():
+            raise UserError(where, "folder has no config.json", "point at a save_pretrained() folder or use a preset")
+        return Path(spec).name, AutoConfig.from_pretrained(spec)
+    try:
+        return spec, AutoConfig.from_pretrained(spec)
+    except (OSError, ValueError) as err:
+        raise UserError(
+            where, f"cannot read its config ({_first_line(err)})", f"use a preset name: {', '.join(PRESETS)}"
+        ) from None
+
+
 def load_tokenizer(spec: str, trust_remote_code: bool = False) -> PreTrainedTokenizerBase:
     """AutoTokenizer.from_pretrained with a clear error; sets a pad token if the tokenizer has none."""
     try:

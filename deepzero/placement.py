@@ -14,7 +14,6 @@ from __future__ import annotations
 
 import argparse
 import math
-import os
 import sys
 from collections.abc import Sequence
 from dataclasses import dataclass
@@ -23,11 +22,11 @@ from typing import Any
 import torch
 from accelerate.utils import compute_module_sizes, convert_file_size_to_int
 from torch import nn
-from transformers import AutoConfig, AutoModelForCausalLM, PretrainedConfig
+from transformers import AutoModelForCausalLM, PretrainedConfig
 
 from deepzero.errors import UserError
+from deepzero.modeling import planning_config
 from deepzero.precision import TORCH_DTYPES
-from deepzero.presets import get_preset
 
 GiB = 2**30
 Device = str | int
@@ -474,13 +473,6 @@ def _parse_max_memory(text: str) -> dict[int, str]:
     return out
 
 
-def load_config(model: str) -> PretrainedConfig:
-    """A preset name or a local checkpoint folder (with config.json) → its config, without weights."""
-    if os.path.isdir(model):
-        return AutoConfig.from_pretrained(model)
-    return get_preset(model).config()  # raises a UserError listing the presets
-
-
 def main(argv: list[str] | None = None) -> int:
     """CLI: print the placement table for a model over N GPUs."""
     parser = argparse.ArgumentParser(prog="python -m deepzero.placement", description=__doc__.splitlines()[0])
@@ -498,7 +490,7 @@ def main(argv: list[str] | None = None) -> int:
         max_memory: dict[int, Any] = {card: int(args.gpu_mem * GiB) for card in range(args.gpus)}
         max_memory.update(_parse_max_memory(args.max_memory))
         placement = plan_placement(
-            load_config(args.model),
+            planning_config(args.model)[1],
             list(range(args.gpus)),
             max_memory,
             dtype=TORCH_DTYPES[args.dtype],

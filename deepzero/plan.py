@@ -18,11 +18,11 @@ from pathlib import Path
 from typing import Any
 
 import torch
-from transformers import AutoConfig, AutoModelForCausalLM, PretrainedConfig
+from transformers import AutoModelForCausalLM, PretrainedConfig
 
 from deepzero.errors import UserError
 from deepzero.flops import routed_experts
-from deepzero.presets import PRESETS
+from deepzero.modeling import planning_config
 
 GiB = 2**30
 ADAM_K = 12
@@ -92,27 +92,6 @@ class ModelStats:
     def lora_numels(self, rank: int) -> tuple[int, ...]:
         """Numel of the LoRA A and B matrices, in model order."""
         return tuple(n for i, o in self.lora_shapes for n in (rank * i, o * rank))
-
-
-def resolve_config(spec: str) -> tuple[str, PretrainedConfig]:
-    """``--model``: a preset name, a local folder with config.json, or a hub id (config only, no weights)."""
-    if spec in PRESETS:
-        return spec, PRESETS[spec].config()
-    for preset in PRESETS.values():
-        if preset.hub_id == spec:
-            return preset.name, preset.config()
-    where = f"--model {spec}"
-    if Path(spec).is_dir():
-        if not (Path(spec) / "config.json").is_file():
-            raise UserError(where, "folder has no config.json", "point at a save_pretrained() folder or use a preset")
-        return Path(spec).name, AutoConfig.from_pretrained(spec)
-    try:
-        return spec, AutoConfig.from_pretrained(spec)
-    except (OSError, ValueError) as err:
-        first = str(err).strip().splitlines()[0][:160] if str(err).strip() else type(err).__name__
-        raise UserError(
-            where, f"cannot read its config ({first})", f"use a preset name: {', '.join(PRESETS)}"
-        ) from None
 
 
 def _arch(config: PretrainedConfig, model: torch.nn.Module) -> Arch:
@@ -765,7 +744,7 @@ def main(argv: Sequence[str] | None = None) -> int:
             print(f"error: {flag} {value}: must be at least 1. Fix: pass a positive number", file=sys.stderr)
             return 2
     try:
-        name, config = resolve_config(args.model)
+        name, config = planning_config(args.model)
         stats = model_stats(config, name)
     except UserError as err:
         print(f"error: {err}", file=sys.stderr)

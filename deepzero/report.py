@@ -1,44 +1,42 @@
-"""What a run reports: the start-up header, one record per log point, the closing summary."""
+"""What a run reports: the start-up header, one record per log point, the closing summary. Formatting and writing
+only: the numbers come from the loop (collectives in ``deepzero.distributed``)."""
 
 from __future__ import annotations
 
 import json
 import os
+from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
-import torch
 import torch.distributed as dist
-from deepspeed.accelerator import get_accelerator
 from tqdm.auto import tqdm
 
 from deepzero.flops import count_params, routed_experts
-from deepzero.metrics import peak_memory_gb
 
 if TYPE_CHECKING:
-    from deepzero.trainer import Run
+    from deepzero.run import Run
 
 
-def train_record(run: Run, mean_loss: torch.Tensor, steps: int, elapsed: float) -> dict[str, Any]:
+def train_record(run: Run, loss: float, steps: int, elapsed: float, peak_mem: tuple[float, str]) -> dict[str, Any]:
     """One logging point: global mean loss, lr, loss scale, grad norm, throughput, MFU, peak memory."""
     engine = run.engine
-    loss = _all_reduce_mean(mean_loss)
     tokens_per_s = steps * run.tokens_per_step / max(elapsed, 1e-9)
-    mem_gb, mem_kind = peak_memory_gb()
+    mem_gb, mem_kind = peak_mem
     record: dict[str, Any] = {
         "kind": "train",
         "step": run.state.step,
         "loss": loss,
-        "lr": float(engine.get_lr()[0]),
-        "grad_norm": _float_or_none(engine.get_global_grad_norm()),
+        "lr": engine.lr(),
+        "grad_norm": engine.grad_norm(),
         "tokens_per_s": tokens_per_s,
         "tokens_per_s_per_device": tokens_per_s / run.world,
         "step_time_s": elapsed / steps,
         "tokens_seen": run.state.tokens_seen,
-        f"peak_{mem_kind}_mem_gb": all_reduce_max(mem_gb),
-        "skipped_steps": int(getattr(engine, "skipped_steps", 0)),
+        f"peak_{mem_kind}_mem_gb": mem_gb,
+        "skipped_steps": engine.skipped_steps(),
     }
-    if run.cfg.precision == "fp16":
-        record["loss_scale"] = float(getattr(engine.optimizer, "loss_scale", getattr(engine.optimizer, "cur_scale", 0)))
+    if (scale := engine.loss_scale()) is not None:
+        record["loss_scale"] = scale
     if run.peak_tflops:
         record["mfu"] = run.flops_per_token * tokens_per_s / (run.peak_tflops * 1e12 * run.world)
     return record
@@ -59,52 +57,27 @@ def _fmt(key: str, value: Any) -> str:
     return f"{key}={value}"
 
 
-def _all_reduce_mean(t: torch.Tensor) -> float:
-    t = t.detach().clone().float()
-    if dist.is_initialized():
-        dist.all_reduce(t)
-        t /= dist.get_world_size()
-    return t.item()
-
-
-def all_reduce_max(x: float) -> float:
-    t = torch.tensor(x)
-    if dist.is_initialized() and dist.get_backend() == "gloo":
-        dist.all_reduce(t, op=dist.ReduceOp.MAX)
-    elif dist.is_initialized():
-        t = t.to(get_accelerator().current_device_name())
-        dist.all_reduce(t, op=dist.ReduceOp.MAX)
-    return t.item()
-
-
-def _float_or_none(x: Any) -> float | None:
-    if x is None:
-        return None
-    return float(x.item() if torch.is_tensor(x) else x)
-
-
 def launch_env() -> dict[str, str]:
     keep = ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR", "MASTER_PORT", "CUDA_VISIBLE_DEVICES", "DS_ACCELERATOR")
     return {k: v for k, v in os.environ.items() if k in keep or k.startswith(("NCCL_", "WANDB_", "HF_"))}
 
 
-def write_run_config(run: Run, run_config: dict[str, Any]) -> None:
-    run.args.out_dir.mkdir(parents=True, exist_ok=True)
-    (run.args.out_dir / "run_config.json").write_text(json.dumps(run_config, indent=2, default=str))
+def write_run_config(out_dir: Path, run_config: dict[str, Any]) -> None:
+    out_dir.mkdir(parents=True, exist_ok=True)
+    (out_dir / "run_config.json").write_text(json.dumps(run_config, indent=2, default=str))
 
 
 def print_header(run: Run, model_name: str) -> None:
-    counts = count_params(run.model)
-    cfg = run.cfg
+    model, cfg = run.engine.model, run.cfg
+    counts = count_params(model)
     lines = [
         f"model: {model_name}  params {counts.total / 1e6:,.2f}M (active {counts.active / 1e6:,.2f}M)"
-        f"  attention {run.model.config._attn_implementation}"
-        + (f"  experts {run.model.config._experts_implementation}" if routed_experts(run.model.config) else ""),
+        f"  attention {model.config._attn_implementation}"
+        + (f"  experts {model.config._experts_implementation}" if routed_experts(model.config) else ""),
         f"deepspeed: {cfg.path}  ZeRO-{cfg.zero_stage}  {cfg.precision}"
         + (f"  offload {'+'.join(cfg.offload)}" if cfg.offload else "")
-        + (f"  layer split over {len(run.engine.placement.cards)} cards" if run.args.device_map else "")
-        + (f"  pipeline {run.pipe.stages} stages × data-parallel {run.dp_size}" if run.pipe else "")
-        + f"  world {run.world} on {run.device.split(':')[0]} ({dist.get_backend()})",
+        + run.engine.describe()
+        + f"  world {run.world} on {run.engine.device.type} ({dist.get_backend()})",
         cfg.precision_choice.describe(),
         cfg.batch.describe(run.seq_len),
         f"lr: peak {cfg.ds['optimizer']['params']['lr']:g} from {run.lr_source}; scheduler {cfg.ds.get('scheduler', {}).get('type', 'none')}"

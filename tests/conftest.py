@@ -6,7 +6,6 @@ import contextlib
 import json
 import os
 import signal
-import socket
 import subprocess
 import sys
 import sysconfig
@@ -15,6 +14,7 @@ from pathlib import Path
 
 import pytest
 
+from deepzero.distributed import free_port
 from deepzero.errors import UserError
 from deepzero.op_builds import check_op_builds
 from deepzero.precision import DeviceKernels, probe_cpu
@@ -60,12 +60,6 @@ def pytest_sessionstart(session: pytest.Session) -> None:
         check_op_builds()
     except UserError as err:
         pytest.exit(f"error: {err}", returncode=2)
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def fake_cpu_vars(kernels: str) -> dict[str, str]:

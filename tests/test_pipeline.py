@@ -1,22 +1,24 @@
-"""Pipeline parallelism: stages equal the HF model in one process; with 3 real ranks the pipelined loss equals the
-plain model's, falls, resumes bit-exactly, and exports a Hugging Face folder that reloads with the same logits."""
+"""Pipeline parallelism: stages equal the HF model in one process; train.py on 3 real ranks trains the pipeline with
+the plain model's loss curve, the loss falls, a resumed run continues the uninterrupted one exactly, and the Hugging
+Face export reloads with the engine's evaluation loss."""
 
 from __future__ import annotations
 
 import itertools
 import json
+import re
 from pathlib import Path
 from typing import Any
 
 import pytest
 import torch
-from conftest import REPO, cpu_env, launch
+from conftest import NATIVE_16BIT, bf16_precision, launch, losses, records
+from safetensors.torch import load_file
 from transformers import AutoConfig, AutoModelForCausalLM, LlamaConfig, Qwen2Config
 
-from deepzero import dsconfig
-from deepzero.data import PackedDataset
-from deepzero.errors import UserError
-from deepzero.pipeline import (
+from deepzero import dsconfig, modeling
+from deepzero.data import GlobalBatchSampler, PackedDataset, make_eval_loader, make_train_loader
+from deepzero.engines.pipeline import (
     PipelineSettings,
     build_name_map,
     causal_lm_loss,
@@ -24,10 +26,13 @@ from deepzero.pipeline import (
     sequential_forward,
     to_pipeline_layers,
 )
+from deepzero.errors import UserError
 from deepzero.presets import get_preset
 
 STEPS = 12
 HALF = STEPS // 2
+REF_STEPS = 4
+"""Steps compared with the plain model (2 of warmup, 2 at the peak lr)."""
 
 
 def tiny_models() -> dict[str, Any]:
@@ -84,10 +89,11 @@ def test_preset_resolves_with_the_pipeline_data_parallel_size() -> None:
     settings = PipelineSettings.from_ds(raw)
     assert settings == PipelineSettings(3, "parameters", 0)
     dp = settings.dp_size(3)
-    cfg = dsconfig.resolve("ds_configs/pipeline.json", dp_size=dp, hints=dsconfig.TrainingHints(max_steps=10))
+    hints = dsconfig.TrainingHints(max_steps=10)
+    cfg = dsconfig.resolve("ds_configs/pipeline.json", dp_size=dp, hints=hints, kernels=NATIVE_16BIT)
     assert (cfg.batch.micro, cfg.batch.accum, cfg.batch.dp_size, cfg.batch.global_batch) == (2, 6, 1, 12)
     assert cfg.is_pipeline and cfg.precision == "bf16" and cfg.zero_stage == 1
-    settings.check_accum(cfg.batch.accum)
+    settings.check_batch(cfg.batch)
     with pytest.raises(UserError, match="world size 3"):  # the whole world is not data-parallel under a pipeline
         dsconfig.resolve("ds_configs/pipeline.json", dp_size=3, hints=dsconfig.TrainingHints(max_steps=10))
 
@@ -102,7 +108,7 @@ def test_bad_pipeline_settings_are_one_clear_error() -> None:
     with pytest.raises(UserError, match="do not divide the world size 4"):
         PipelineSettings(3).dp_size(4)
     with pytest.raises(UserError, match="cannot fill a 3-stage pipeline"):
-        PipelineSettings(3).check_accum(2)
+        PipelineSettings(3).check_batch(dsconfig.BatchMath(2, 2, 1))
 
 
 def test_tied_embeddings_are_refused() -> None:
@@ -113,86 +119,159 @@ def test_tied_embeddings_are_refused() -> None:
         to_pipeline_layers(model)
 
 
-# ---- three real ranks (deepspeed launcher, CPU accelerator, gloo) ----------------------------------------------
+# ---- train.py with the real launcher (CPU accelerator, gloo) -------------------------------------------------------
 
 
-def drive(data: Path, out: Path, *args: str) -> dict[str, Any]:
-    """`deepspeed --num_gpus=3 tests/helpers/pipeline_driver.py ...`; returns its report.json."""
-    argv = ["--data", str(data), "--out", str(out), "--max-steps", str(STEPS), *args]
-    env = cpu_env(PYTHONPATH=str(REPO))
-    launch(argv, env=env, timeout=600, script="tests/helpers/pipeline_driver.py")
-    return json.loads((out / "report.json").read_text())
+def train_args(data: Path, out: Path, preset: str, *extra: str) -> list[str]:
+    """train.py on the tiny DeepSeek-V3 preset: seed 0, lr 3e-3 after 2 warmup steps, a record every step."""
+    return [
+        "--deepspeed_config", preset, "--model", "tiny-deepseek-v3", "--data", str(data), "--out", str(out),
+        "--seed", "0", "--lr", "3e-3", "--warmup-steps", "2", "--log-interval", "1", "--eval-batches", "2",
+        *extra,
+    ]  # fmt: skip
+
+
+def pipeline_run(data: Path, out: Path, *extra: str) -> str:
+    """ds_configs/pipeline.json (3 stages, micro 2 × 6 micro-batches) on 3 ranks; returns stdout."""
+    return launch(train_args(data, out, "ds_configs/pipeline.json", *extra), timeout=600).stdout
+
+
+def whole_args(max_steps: int, *extra: str) -> list[str]:
+    """The run the resume test splits: evaluation and checkpoints at HALF and STEPS."""
+    return ["--max-steps", str(max_steps), "--eval-interval", str(HALF), "--save-interval", str(HALF), *extra]
+
+
+def precision(out: Path) -> str:
+    return json.loads((out / "run_config.json").read_text())["precision"]["dtype"]
+
+
+def engine_state(ckpt: Path) -> dict[str, Any]:
+    """DeepSpeed's model-states file of a pipeline checkpoint: its engine counters and our client state."""
+    return torch.load(ckpt / "mp_rank_00_model_states.pt", map_location="cpu", weights_only=False)
+
+
+@torch.no_grad()
+def first_step_loss(data: Path, dtype: torch.dtype) -> float:
+    """The plain HF model's loss in ``dtype`` on step 1's global batch, with train.py's seed-0 initial weights:
+    the mean over the 6 micro-batches of 2 that GlobalBatchSampler gives step 1 (the same for any world size)."""
+    source = modeling.resolve_model("tiny-deepseek-v3")
+    torch.manual_seed(0)
+    vocab = len(modeling.load_tokenizer(str(data / "tokenizer")))
+    model = modeling.build_model(source, modeling.load_config(source), vocab_size=vocab).to(dtype).eval()
+    train = PackedDataset(data, "train")
+    loader = make_train_loader(train, GlobalBatchSampler(len(train), 2, 6, 0, 1, 0))
+    step_losses = [model(**batch).loss.item() for batch in itertools.islice(loader, 6)]
+    return sum(step_losses) / len(step_losses)
 
 
 @pytest.fixture(scope="module")
-def whole(tiny_data: Path, tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, dict[str, Any]]:
-    """ds_configs/pipeline.json (bf16, 3 stages, micro 2 × 6 micro-batches) for STEPS steps, with export."""
+def whole(tiny_data: Path, tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, str]:
+    """The pipeline preset as shipped (bf16 where this CPU computes it natively) for STEPS steps, with export."""
     out = tmp_path_factory.mktemp("pipe") / "whole"
-    return out, drive(tiny_data, out, "--steps", str(STEPS))
+    return out, pipeline_run(tiny_data, out, *whole_args(STEPS))
+
+
+@pytest.fixture(scope="module")
+def plain_fp32(tiny_data: Path, tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """The plain model: ZeRO-2 on one rank in fp32 with the pipeline's global batch (micro 2 × accumulation 6).
+
+    GlobalBatchSampler gives every world size the same global batches, so each step sees the pipeline's data."""
+    out = tmp_path_factory.mktemp("plain") / "fp32"
+    args = train_args(tiny_data, out, "ds_configs/zero2.json", "--precision", "fp32", "--max-steps", str(REF_STEPS))
+    args += ["--micro-batch", "2", "--grad-accum", "6", "--eval-interval", "0", "--save-interval", "0", "--no-export"]
+    proc = launch(args, nproc=1, timeout=600)
+    assert "micro 2 × accumulation 6 × data-parallel 1 = global 12" in proc.stdout
+    return out
 
 
 @pytest.mark.launcher
-def test_fp32_pipeline_loss_equals_the_plain_model(tiny_data: Path, tmp_path: Path) -> None:
-    report = drive(tiny_data, tmp_path / "fp32", "--steps", "1", "--ds", "bf16.enabled=false")
-    assert report["precision"] == "fp32"
-    ref = report["reference_loss"]["fp32"]
-    assert report["pipeline_loss"] == pytest.approx(ref, rel=1e-5, abs=1e-5)
-    assert report["export"]["dtype"] == "float32" and report["export"]["max_abs_logit_diff"] <= 1e-5
+def test_fp32_pipeline_loss_equals_the_plain_model(tiny_data: Path, tmp_path: Path, plain_fp32: Path) -> None:
+    out = tmp_path / "fp32"
+    log = pipeline_run(tiny_data, out, "--precision", "fp32", "--max-steps", str(REF_STEPS), "--eval-interval", "0")
+    assert "pipeline 3 stages × data-parallel 1" in log and "ZeRO-1  fp32" in log
+    assert precision(out) == precision(plain_fp32) == "fp32"
+    pipe, plain = records(out), records(plain_fp32)
+    assert [r["step"] for r in pipe] == [r["step"] for r in plain] == list(range(1, REF_STEPS + 1))
+    for a, b in zip(pipe, plain, strict=True):
+        assert a["lr"] == b["lr"], a["step"]  # same schedule, so the losses compare the models
+        assert a["loss"] == pytest.approx(b["loss"], rel=1e-5, abs=1e-5), a["step"]
+        assert a["grad_norm"] == pytest.approx(b["grad_norm"], rel=1e-4), a["step"]
+    export = records(out, "export")[-1]
+    assert export["ok"] and export["dtype"] == "float32" and export["max_abs_logit_diff"] <= 1e-5
 
 
 @pytest.mark.launcher
-def test_bf16_pipeline_loss_equals_the_plain_model(whole: tuple[Path, dict[str, Any]]) -> None:
-    _, report = whole
-    assert report["precision"] == "bf16" and report["batch"] == {"micro": 2, "accum": 6, "dp_size": 1}
-    parts = report["parts"]
-    assert parts[0] == 0 and parts[-1] == 6 and len(parts) == 4 and all(a < b for a, b in itertools.pairwise(parts))
-    ref = report["reference_loss"]
-    assert report["pipeline_loss"] == pytest.approx(ref["engine_dtype"], rel=2e-2)
-    assert report["pipeline_loss"] == pytest.approx(ref["fp32"], rel=2e-2)
+def test_bf16_pipeline_loss_equals_the_plain_model(whole: tuple[Path, str], plain_fp32: Path, tiny_data: Path) -> None:
+    out, log = whole
+    assert precision(out) == bf16_precision() and f"ZeRO-1  {bf16_precision()}" in log
+    assert "pipeline 3 stages × data-parallel 1" in log
+    assert "micro 2 × accumulation 6 × data-parallel 1 = global 12" in log
+    sizes = [int(n) for n in re.findall(r"^stage=\d+ layers=(\d+)$", log, re.MULTILINE)]  # DeepSpeed's partition
+    assert len(sizes) == 3 and sum(sizes) == 6 and all(sizes), sizes  # embedding + 4 decoder layers + head
+    pipe, ref = losses(out), losses(plain_fp32)
+    for step in range(1, REF_STEPS + 1):
+        assert pipe[step] == pytest.approx(ref[step], rel=2e-2), step
+    dtype = {"bf16": torch.bfloat16, "fp32": torch.float32}[bf16_precision()]
+    assert first_step_loss(tiny_data, torch.float32) == pytest.approx(ref[1], rel=1e-5)  # the reference's own check
+    assert pipe[1] == pytest.approx(first_step_loss(tiny_data, dtype), rel=2e-2)
 
 
 @pytest.mark.launcher
-def test_loss_falls(whole: tuple[Path, dict[str, Any]]) -> None:
-    _, report = whole
-    curve = {int(k): v for k, v in report["losses"].items()}
-    assert sorted(curve) == list(range(1, STEPS + 1)) and report["global_steps"] == STEPS
+def test_loss_falls(whole: tuple[Path, str]) -> None:
+    out, _ = whole
+    curve = losses(out)
+    assert sorted(curve) == list(range(1, STEPS + 1)) and records(out)[-1]["step"] == STEPS
+    assert engine_state(out / "checkpoints" / f"step{STEPS:08d}")["global_steps"] == STEPS  # the engine's own count
     first, last = curve[1], sum(curve[s] for s in range(STEPS - 2, STEPS + 1)) / 3
     assert first > 6.0 and last < first - 0.5, f"loss did not fall: {first:.3f} -> {last:.3f}"
-    assert report["pipeline_loss_after"] < report["pipeline_loss"] - 0.5
-    assert report["grad_norm"] > 0
+    evals = records(out, "eval")
+    assert [e["step"] for e in evals] == [HALF, STEPS]
+    assert evals[-1]["val_loss"] < first - 0.5  # step 1's loss is the untrained model's
+    assert all(r["grad_norm"] > 0 for r in records(out))
 
 
 @pytest.mark.launcher
 def test_resume_continues_the_uninterrupted_run_exactly(
-    whole: tuple[Path, dict[str, Any]], tiny_data: Path, tmp_path: Path
+    whole: tuple[Path, str], tiny_data: Path, tmp_path: Path
 ) -> None:
-    _, full = whole
+    full, _ = whole
     out = tmp_path / "split"
-    first = drive(tiny_data, out, "--steps", str(HALF), "--no-export")
+    pipeline_run(tiny_data, out, *whole_args(HALF, "--no-export"))
     ckpt = out / "checkpoints" / f"step{HALF:08d}"
     assert (out / "checkpoints" / "latest").read_text() == ckpt.name
     assert sorted(p.name for p in ckpt.glob("layer_*-model_states.pt")) == [
         f"layer_{i:02d}-model_states.pt" for i in range(6)
     ]
-    second = drive(tiny_data, out, "--steps", str(HALF), "--resume", "--no-export")
-    assert (first["end_step"], second["start_step"], second["end_step"], second["global_steps"]) == (6, 6, 12, 12)
+    assert engine_state(ckpt)["global_steps"] == HALF and engine_state(ckpt)["deepzero"]["step"] == HALF
+    log = pipeline_run(tiny_data, out, *whole_args(STEPS, "--resume"))
+    assert f"resumed from step {HALF}" in log
+    assert (out / "checkpoints" / "latest").read_text() == f"step{STEPS:08d}"
+    assert engine_state(out / "checkpoints" / f"step{STEPS:08d}")["global_steps"] == STEPS
+    resumed, reference = losses(out), losses(full)
+    assert sorted(resumed) == list(range(1, STEPS + 1)) and records(out)[-1]["step"] == STEPS
     for step in range(HALF + 1, STEPS + 1):
-        assert second["losses"][str(step)] == pytest.approx(full["losses"][str(step)], rel=1e-5), step
-    assert second["weights"].keys() == full["weights"].keys()
-    for name, value in second["weights"].items():
-        assert value == pytest.approx(full["weights"][name], rel=1e-6, abs=1e-6), name
+        assert resumed[step] == pytest.approx(reference[step], rel=1e-5), step
+    weights, expected = load_file(out / "hf" / "model.safetensors"), load_file(full / "hf" / "model.safetensors")
+    assert weights.keys() == expected.keys()
+    for name, value in weights.items():
+        torch.testing.assert_close(value, expected[name], rtol=1e-6, atol=1e-6, msg=name)
 
 
 @pytest.mark.launcher
-def test_export_reloads_with_the_engines_logits(whole: tuple[Path, dict[str, Any]], tiny_data: Path) -> None:
-    out, report = whole
-    assert report["export"]["ok"] and report["export"]["max_abs_logit_diff"] <= 1e-3
+def test_export_reloads_with_the_engines_logits(whole: tuple[Path, str], tiny_data: Path) -> None:
+    out, _ = whole
+    export = records(out, "export")[-1]
+    assert export["ok"] and export["max_abs_logit_diff"] <= 1e-3
     hf = out / "hf"
     assert list(hf.glob("*.safetensors")) and not list(hf.glob("*.bin")) and (hf / "tokenizer.json").is_file()
     assert AutoConfig.from_pretrained(hf).model_type == "deepseek_v3"
-    model = AutoModelForCausalLM.from_pretrained(hf, dtype=torch.bfloat16).eval()
-    val = PackedDataset(tiny_data, "val")
-    batch = {k: torch.stack([val[0][k], val[1][k]]) for k in ("input_ids", "labels", "shift_labels")}
+    model = AutoModelForCausalLM.from_pretrained(hf, dtype=getattr(torch, export["dtype"])).eval()
+    # The final evaluation's batches (trainer.evaluate): data-parallel 1, so the first eval_batches × micro val rows.
+    val, micro, eval_batches = PackedDataset(tiny_data, "val"), 2, 2
     with torch.no_grad():
-        loss = model(**batch).loss.item()
-    assert loss == pytest.approx(report["pipeline_loss_after"], rel=1e-3)
+        loader = make_eval_loader(val, micro, 0, 1, max_rows=eval_batches * micro)
+        per_batch = [model(**batch).loss.item() for batch in loader]
+    assert len(per_batch) == eval_batches
+    final = records(out, "eval")[-1]
+    assert final["step"] == STEPS
+    assert sum(per_batch) / len(per_batch) == pytest.approx(final["val_loss"], rel=1e-3)

@@ -14,8 +14,9 @@ import pytest
 import torch
 from conftest import REPO, cpu_env, launch
 
-from deepzero import plan
+from deepzero import modeling, plan
 from deepzero.errors import UserError
+from deepzero.modeling import planning_config
 from deepzero.plan import GiB, Setup, ZeroKnobs, estimate, model_stats, rank_states
 from deepzero.presets import PRESETS, get_preset
 
@@ -199,17 +200,17 @@ def test_cli_says_nothing_fits_for_deepseek_v3(capsys: pytest.CaptureFixture[str
 
 
 def test_model_resolution(tmp_path: Path, monkeypatch: pytest.MonkeyPatch, tiny: plan.ModelStats) -> None:
-    assert plan.resolve_config("deepseek-ai/deepseek-coder-1.3b-base")[0] == "deepseek-coder-1.3b"
+    assert planning_config("deepseek-ai/deepseek-coder-1.3b-base")[0] == "deepseek-coder-1.3b"
     get_preset("tiny-deepseek-v3").config().save_pretrained(tmp_path)
-    name, config = plan.resolve_config(str(tmp_path))
+    name, config = planning_config(str(tmp_path))
     assert model_stats(config, name).total == tiny.total
 
     def offline(*args: object, **kwargs: object) -> None:
         raise OSError("We couldn't connect to 'https://huggingface.co'")
 
-    monkeypatch.setattr(plan.AutoConfig, "from_pretrained", offline)
+    monkeypatch.setattr(modeling.AutoConfig, "from_pretrained", offline)
     with pytest.raises(UserError, match=r"deepseek-coder-1\.3b"):
-        plan.resolve_config("someone/unknown-model")
+        planning_config("someone/unknown-model")
     assert plan.main(["--model", "someone/unknown-model"]) == 2
 
 

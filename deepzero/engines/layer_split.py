@@ -1,21 +1,23 @@
 """Single-process layer split (naive model parallel): the model's layers spread over N cards, one process.
 
-``LayerSplitEngine`` offers the slice of the DeepSpeed engine interface the trainer uses (forward, backward,
-step with gradient accumulation, lr, grad norm, eval/train, save/load checkpoint), so the same loop, eval,
-checkpoints and export run in this mode. The optimizer and LR schedule come from the same ds_configs JSON:
-torch's AdamW with the preset's params and DeepSpeed's own LR schedule classes.
+``LayerSplitEngine`` implements the trainer's engine interface (``deepzero.engines.base.TrainEngine``), so the
+same loop, eval, checkpoints and export run in this mode. The optimizer and LR schedule come from the same
+ds_configs JSON: torch's AdamW with the preset's params and DeepSpeed's own LR schedule classes.
 """
 
 from __future__ import annotations
 
 import contextlib
+from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
 
 import torch
 from deepspeed.runtime import lr_schedules
 
+from deepzero.engines.base import Batch, summed_eval_loss
 from deepzero.errors import UserError
+from deepzero.export import ExportReport, export_hf
 from deepzero.placement import Placement, apply_placement, format_placement, plan_placement, torch_device
 
 
@@ -42,14 +44,15 @@ class LayerSplitEngine:
     """A model placed over several devices, trained by one process with the ds_config's optimizer and schedule."""
 
     global_rank = 0
-    skipped_steps = 0
+    dp_rank = 0
+    dp_size = 1
 
     def __init__(self, model: torch.nn.Module, placement: Placement, ds: dict[str, Any]) -> None:
-        self.module = model
+        self.model = self.module = model
         self.placement = placement
         self.first_device = torch_device(placement.device_map[next(iter(placement.device_map))])
         self.device = self.first_device
-        """Where inputs go (DeepSpeed engines name theirs ``device`` too)."""
+        """Where inputs go; the loss comes back from the last card."""
         opt = ds.get("optimizer", {"type": "AdamW", "params": {}})
         if str(opt.get("type", "")).lower() not in ("adam", "adamw"):
             raise UserError("--device-map", f"optimizer {opt.get('type')} is not supported here", 'use "AdamW"')
@@ -64,37 +67,63 @@ class LayerSplitEngine:
         self.global_steps = 0
         self._grad_norm: torch.Tensor | None = None
 
+    @classmethod
+    def build(
+        cls, build_model: Callable[[], torch.nn.Module], ds: dict[str, Any], devices: list[str | int], seq_len: int
+    ) -> LayerSplitEngine:
+        """Build the model, balance its layers over ``devices`` (printing the table) and move them there."""
+        model = build_model()
+        micro = int(ds["train_micro_batch_size_per_gpu"])
+        return cls(model, place_model(model, devices, seq_len, micro), ds)
+
+    def describe(self) -> str:
+        return f"  layer split over {len(self.placement.cards)} cards"
+
+    def train_step(self, batches: Iterator[Batch]) -> torch.Tensor:
+        total = torch.zeros((), device=self.device)
+        for _ in range(self.accum):
+            loss = self(**next(batches)).loss
+            (loss / self.accum).backward()
+            total += loss.detach().float().to(self.device)
+        self._optimizer_step()
+        return total / self.accum
+
+    def eval_loss(self, batches: Iterator[Batch], micro_batches: int) -> float:
+        return summed_eval_loss(self, batches)
+
+    def export(self, tokenizer: Any, out_dir: Path, probe: Batch) -> ExportReport | None:
+        return export_hf(self, tokenizer, out_dir, probe)
+
     def synchronize(self) -> None:
         """Wait for every card of the placement (timing: the step's work ends on the last card)."""
         for device in {torch_device(row.device) for row in self.placement.cards}:
             if device.type == "cuda":
                 torch.cuda.synchronize(device)
 
+    @torch.no_grad()
+    def weights_finite(self) -> bool:
+        return all(bool(torch.isfinite(p).all()) for p in self.model.parameters())
+
     @property
     def training(self) -> bool:
-        return self.module.training
+        return self.model.training
 
     def train(self) -> None:
-        self.module.train()
+        self.model.train()
 
     def eval(self) -> None:
-        self.module.eval()
+        self.model.eval()
 
     def __call__(self, **batch: torch.Tensor) -> Any:
         batch = {k: v.to(self.first_device) for k, v in batch.items()}
         use_amp = self.autocast_dtype is not None and self.first_device.type == "cuda"
         ctx = torch.autocast("cuda", dtype=self.autocast_dtype) if use_amp else contextlib.nullcontext()
         with ctx:
-            return self.module(**batch)
+            return self.model(**batch)
 
-    def backward(self, loss: torch.Tensor) -> None:
-        (loss / self.accum).backward()
-
-    def step(self) -> None:
-        self.micro_steps += 1
-        if self.micro_steps % self.accum:
-            return
-        params = [p for p in self.module.parameters() if p.grad is not None]
+    def _optimizer_step(self) -> None:
+        self.micro_steps += self.accum
+        params = [p for p in self.model.parameters() if p.grad is not None]
         if self.clip:
             self._grad_norm = torch.nn.utils.clip_grad_norm_(params, self.clip)
         self.optimizer.step()
@@ -103,13 +132,20 @@ class LayerSplitEngine:
             self.lr_scheduler.step()
         self.global_steps += 1
 
-    def get_lr(self) -> list[float]:
-        return [g["lr"] for g in self.optimizer.param_groups]
+    def lr(self) -> float:
+        return self.optimizer.param_groups[0]["lr"]
 
-    def get_global_grad_norm(self) -> torch.Tensor | None:
-        return self._grad_norm
+    def grad_norm(self) -> float | None:
+        return None if self._grad_norm is None else float(self._grad_norm)
+
+    def skipped_steps(self) -> int:
+        return 0
+
+    def loss_scale(self) -> float | None:
+        return None
 
     def zero_optimization_partition_weights(self) -> bool:
+        """For ``export_hf``: the whole model is in this process."""
         return False
 
     def save_checkpoint(self, save_dir: str, tag: str, client_state: dict, save_latest: bool = False) -> None:

@@ -23,7 +23,7 @@ device and only those are trained. Models that do not fit in host memory per ran
 
 from __future__ import annotations
 
-from collections.abc import Iterable, Iterator
+from collections.abc import Callable, Iterable, Iterator
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -34,6 +34,8 @@ import torch.nn.functional as F
 from torch import nn
 
 from deepzero.data import IGNORE_INDEX
+from deepzero.dsconfig import BatchMath
+from deepzero.engines.base import Batch, DeepSpeedBacked
 from deepzero.errors import UserError
 from deepzero.export import ExportReport, attn_implementation_of, publish_and_compare
 
@@ -83,14 +85,18 @@ class PipelineSettings:
             )
         return world // self.stages
 
-    def check_accum(self, accum: int) -> None:
+    def check_batch(self, batch: BatchMath) -> None:
         """Each optimizer step is one pipeline schedule of ``accum`` micro-batches; fewer than ``stages`` idles ranks."""
+        accum = batch.accum
         if accum < self.stages:
             raise UserError(
                 "gradient_accumulation_steps",
                 f"{accum} micro-batches per step cannot fill a {self.stages}-stage pipeline",
                 f"set gradient_accumulation_steps to {self.stages} or more (more micro-batches → smaller bubble)",
             )
+
+    def build(self, build_model: Callable[[], nn.Module], ds_config: dict[str, Any], seq_len: int) -> PipelineEngine:
+        return PipelineEngine.build(build_model, ds_config, self)
 
 
 class EmbeddingStage(nn.Module):
@@ -235,14 +241,6 @@ def pipeline_batches(batches: Iterable[dict[str, torch.Tensor]]) -> Iterator[tup
         yield batch["input_ids"], batch["labels"]
 
 
-def train_step(engine: Any, data_iter: Iterator[tuple[torch.Tensor, torch.Tensor]]) -> torch.Tensor:
-    """One optimizer step over ``gradient_accumulation_steps`` micro-batches; the mean loss, same on every rank.
-
-    Returned as the engine's device tensor: reading it (``float``) waits for the device, so the loop does that
-    only at log points."""
-    return engine.train_batch(data_iter).detach()
-
-
 @torch.no_grad()
 def eval_step(
     engine: Any, data_iter: Iterator[tuple[torch.Tensor, torch.Tensor]], num_micro_batches: int | None = None
@@ -320,3 +318,44 @@ def export_pipeline_hf(
         report = ExportReport.measured(out_dir, diff, dtype, engine_logits, str(engine.device))
     dist.barrier()
     return report
+
+
+class PipelineEngine(DeepSpeedBacked):
+    """DeepSpeed's PipelineEngine over the model's stages: each optimizer step is one 1F1B schedule."""
+
+    def __init__(self, engine: Any, model: nn.Module, name_map: dict[str, str]) -> None:
+        self.engine = engine
+        self.model = model
+        """The whole HF model the stages were built from; this rank trains only its own stages."""
+        self.name_map = name_map
+        self.device = engine.device
+        self.dp_rank = engine.grid.data_parallel_id
+        self.dp_size = engine.grid.data_parallel_size
+
+    @classmethod
+    def build(
+        cls, build_model: Callable[[], nn.Module], ds_config: dict[str, Any], settings: PipelineSettings
+    ) -> PipelineEngine:
+        """Build the whole model on every rank, cut it into stages, keep this rank's (DeepSpeed PipelineModule)."""
+        model = build_model()
+        engine, name_map = build_pipeline_engine(
+            model, ds_config, settings.stages, settings.partition, settings.activation_checkpoint_interval
+        )
+        return cls(engine, model, name_map)
+
+    def describe(self) -> str:
+        return f"  pipeline {self.engine.num_stages} stages × data-parallel {self.dp_size}"
+
+    def train_step(self, batches: Iterator[Batch]) -> torch.Tensor:
+        """The schedule's mean micro-batch loss, the same on every rank; first and last stages draw the batches."""
+        return self.engine.train_batch(pipeline_batches(batches)).detach().float()
+
+    def eval_loss(self, batches: Iterator[Batch], micro_batches: int) -> float:
+        return eval_step(self.engine, pipeline_batches(batches), num_micro_batches=micro_batches)
+
+    def export(self, tokenizer: Any, out_dir: Path, probe: Batch) -> ExportReport | None:
+        return export_pipeline_hf(self.engine, self.name_map, self.model, tokenizer, out_dir, probe)
+
+    @torch.no_grad()
+    def weights_finite(self) -> bool:
+        return all(bool(torch.isfinite(p).all()) for p in self.engine.module.parameters())

@@ -1,0 +1,234 @@
+"""A training run before its loop: planned from the arguments (cheap checks first), then built (group, engine).
+
+``plan_run`` makes every decision that needs no weights and no process group, so bad input fails in seconds;
+``setup`` joins the group, builds the engine the plan chose and returns the ``Run`` the loop works on.
+"""
+
+from __future__ import annotations
+
+import errno
+import os
+import sys
+import tempfile
+from dataclasses import dataclass, field
+from functools import partial
+from pathlib import Path
+from typing import Any
+
+import torch
+from torch import nn
+
+from deepzero import checkpoint, dsconfig, engines, modeling, report, universal
+from deepzero.args import TrainArgs
+from deepzero.data import PackedDataset, check_enough_rows, load_meta
+from deepzero.distributed import init_distributed
+from deepzero.engines import Strategy, TrainEngine
+from deepzero.errors import UserError
+from deepzero.flops import flops_per_token, peak_tflops, routed_experts
+from deepzero.lora import LoraSpec
+from deepzero.metrics import MetricsSink, redact
+from deepzero.op_builds import check_op_builds
+from deepzero.plan import check_fit
+from deepzero.presets import PRESETS
+
+
+@dataclass(frozen=True)
+class RunPlan:
+    """Every decision that needs no weights and no process group: made first, so bad input fails in seconds."""
+
+    source: modeling.ModelSource
+    config: Any
+    cfg: dsconfig.ResolvedConfig
+    strategy: Strategy
+    lr_source: str
+    seq_len: int
+    train_data: PackedDataset
+    val_data: PackedDataset | None
+    tokenizer: Any
+
+
+@dataclass
+class Run:
+    """Everything ``setup`` built: the engine, the data, and the numbers the loop reports."""
+
+    args: TrainArgs
+    cfg: dsconfig.ResolvedConfig
+    engine: TrainEngine
+    tokenizer: Any
+    train_data: PackedDataset
+    val_data: PackedDataset | None
+    state: checkpoint.TrainState
+    sink: MetricsSink
+    lr_source: str
+    seq_len: int
+    flops_per_token: float
+    peak_tflops: float | None
+    rank: int = 0
+    world: int = 1
+    history: list[dict[str, Any]] = field(default_factory=list)
+    last_saved_step: int = -1
+    """Step of the checkpoint this run last wrote or resumed from (the final save is skipped when it is current)."""
+
+    @property
+    def is_main(self) -> bool:
+        return self.rank == 0
+
+    @property
+    def tokens_per_step(self) -> int:
+        return self.cfg.batch.global_batch * self.seq_len
+
+
+def plan_run(args: TrainArgs, world: int) -> RunPlan:
+    """Resolve the preset against the real world size, check data and model against each other."""
+    check_writable(args.out_dir)
+    check_op_builds()
+    meta = load_meta(args.data)
+    source = modeling.resolve_model(args.model)
+    config = modeling.load_config(source, args.trust_remote_code)
+    preset = PRESETS.get(args.model)
+    from_scratch = preset is not None and preset.hub_id is None and args.lr is None
+    hints = dsconfig.TrainingHints(
+        max_steps=args.max_steps,
+        lr=preset.pretrain_lr if from_scratch else args.lr,
+        warmup_steps=preset.pretrain_warmup_steps if from_scratch and args.warmup_steps is None else args.warmup_steps,
+        micro_batch=args.micro_batch,
+        grad_accum=args.grad_accum,
+        hidden_size=config.hidden_size,
+    )
+    if args.experts_impl is not None and not routed_experts(config):
+        raise UserError(
+            f"--experts-impl {args.experts_impl}",
+            f"--model {args.model} is a dense model (no routed experts)",
+            "drop --experts-impl",
+        )
+    strategy = choose_strategy(args)
+    cfg = dsconfig.resolve(args.deepspeed_config, strategy.dp_size(world), hints, args.ds, precision=args.precision)
+    strategy.check_batch(cfg.batch)
+    if cfg.precision_choice.changed:
+        warn(f"{cfg.precision_choice.describe()}. Fix: pass --precision to choose another")
+    lr_source = (
+        f"model preset {args.model} (random init, from scratch)"
+        if from_scratch
+        else ("--lr" if args.lr is not None else args.deepspeed_config)
+    )
+    seq_len = int(meta["seq_len"])
+    if seq_len > config.max_position_embeddings:
+        raise UserError(
+            f"{args.data}/meta.json",
+            f"seq_len {seq_len} exceeds the model's max_position_embeddings {config.max_position_embeddings}",
+            f"re-run data/prepare.py with --seq-len {config.max_position_embeddings} or less",
+        )
+    train_data = PackedDataset(args.data, "train")
+    check_enough_rows(len(train_data), cfg.batch.global_batch, "train")
+    val_data = usable_val_split(args, meta, cfg.batch)
+    tokenizer = modeling.load_tokenizer(args.tokenizer or meta.get("tokenizer") or args.model, args.trust_remote_code)
+    if warning := check_fit(config, cfg.ds, world, None, seq_len, gradient_checkpointing=args.gradient_checkpointing):
+        warn(warning)
+    return RunPlan(source, config, cfg, strategy, lr_source, seq_len, train_data, val_data, tokenizer)
+
+
+def choose_strategy(args: TrainArgs) -> Strategy:
+    """The way to use the cards, from the preset's "pipeline" section (after --ds overrides) and the flags."""
+    raw = dsconfig.load_json(args.deepspeed_config)
+    dsconfig.apply_overrides(raw, list(args.ds), args.deepspeed_config)
+    lora = LoraSpec.parse(args.lora) if args.lora is not None else None
+    return engines.choose(
+        raw, args.deepspeed_config, args.device_map, args.device_map_devices, args.gradient_checkpointing, lora
+    )
+
+
+def usable_val_split(args: TrainArgs, meta: dict[str, Any], batch: dsconfig.BatchMath) -> PackedDataset | None:
+    """The val split, or None (with a warning) when it cannot fill one evaluation round."""
+    if not meta["n_rows"].get("val"):
+        return None
+    val_data = PackedDataset(args.data, "val")
+    if args.eval_interval and len(val_data) < batch.micro * batch.dp_size:
+        warn(
+            f"{args.data}: val split has {len(val_data)} rows, fewer than one eval round (micro {batch.micro}"
+            f" × data-parallel {batch.dp_size}); evaluation is off. Fix: prepare with a larger --val-fraction"
+        )
+        return None
+    return val_data
+
+
+def check_writable(out_dir: Path) -> None:
+    """Fail before any work when the run folder cannot be written (a file in the way, no permission, read-only).
+
+    Creates nothing: an existing folder is probed with a temporary file, a new one by its nearest existing parent.
+    """
+    try:
+        if out_dir.is_dir():
+            with tempfile.TemporaryFile(dir=out_dir):
+                return
+        parent = out_dir.absolute()
+        while not parent.exists():
+            parent = parent.parent
+        if not parent.is_dir():
+            raise NotADirectoryError(errno.ENOTDIR, os.strerror(errno.ENOTDIR), str(parent))
+        if not os.access(parent, os.W_OK | os.X_OK):
+            raise PermissionError(errno.EACCES, os.strerror(errno.EACCES), str(parent))
+    except OSError as err:
+        raise UserError(
+            f"--out {out_dir}",
+            f"cannot write the run folder ({err.strerror})",
+            "pass a folder you can write to with --out",
+        ) from None
+
+
+def setup(args: TrainArgs) -> Run:
+    """Validate everything cheap first (preset, data, model config), then join the group and build the engine."""
+    plan = plan_run(args, int(os.environ.get("WORLD_SIZE", "1")))
+    if args.resume:  # the first resume after `python -m deepzero.universal` loads the universal checkpoint
+        universal.configure_resume(plan.cfg.ds, args.checkpoint_dir)
+    rank, world = init_distributed()
+    torch.manual_seed(args.seed)
+    engine = plan.strategy.build(partial(make_model, args, plan), plan.cfg.ds, plan.seq_len)
+    state = checkpoint.load(engine, args.checkpoint_dir) if args.resume else checkpoint.TrainState()
+    run_config = {
+        "args": vars(args),
+        "deepspeed": plan.cfg.ds,
+        "precision": plan.cfg.precision_choice.to_json(),
+        "env": redact(report.launch_env()),
+    }
+    run = Run(
+        args=args,
+        cfg=plan.cfg,
+        engine=engine,
+        tokenizer=plan.tokenizer,
+        train_data=plan.train_data,
+        val_data=plan.val_data,
+        state=state,
+        sink=MetricsSink(args.out_dir, args.report_to, run_config, enabled=rank == 0),
+        lr_source=plan.lr_source,
+        seq_len=plan.seq_len,
+        flops_per_token=flops_per_token(engine.model, plan.seq_len),
+        peak_tflops=peak_tflops(args.peak_tflops),
+        rank=rank,
+        world=world,
+        last_saved_step=state.step if args.resume else -1,
+    )
+    if run.is_main:
+        report.write_run_config(args.out_dir, run_config)
+        report.print_header(run, plan.source.spec)
+    return run
+
+
+def make_model(args: TrainArgs, plan: RunPlan) -> nn.Module:
+    """The Hugging Face model the plan names, in the training dtype, without a KV cache (training only)."""
+    model = modeling.build_model(
+        plan.source,
+        plan.config,
+        vocab_size=len(plan.tokenizer),
+        dtype=plan.cfg.precision_choice.torch_dtype,
+        attn_implementation=args.attn_implementation,
+        experts_implementation=args.experts_impl,
+        trust_remote_code=args.trust_remote_code,
+    )
+    model.config.use_cache = False
+    return model
+
+
+def warn(message: str) -> None:
+    """One warning line on stderr, from rank 0 only (the launcher starts every rank with the same input)."""
+    if os.environ.get("RANK", "0") == "0":
+        print(f"warning: {message}", file=sys.stderr, flush=True)
