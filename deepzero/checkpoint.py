@@ -31,11 +31,11 @@ class TrainState:
     samples_seen: int = 0
     tokens_seen: int = 0
 
-    def advance(self, global_batch: int, seq_len: int) -> None:
-        """Count one optimizer step over ``global_batch`` rows of ``seq_len`` tokens."""
+    def advance(self, samples: int, tokens: int) -> None:
+        """Count one optimizer step over ``samples`` rows holding ``tokens`` tokens."""
         self.step += 1
-        self.samples_seen += global_batch
-        self.tokens_seen += global_batch * seq_len
+        self.samples_seen += samples
+        self.tokens_seen += tokens
 
     def to_client_state(self) -> dict[str, Any]:
         return {"deepzero": {"step": self.step, "samples_seen": self.samples_seen, "tokens_seen": self.tokens_seen}}

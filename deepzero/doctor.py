@@ -234,16 +234,18 @@ def toolchain() -> dict[str, str | None]:
     }
 
 
-def preset_ops(cfg: dict[str, Any]) -> list[str]:
-    """The DeepSpeed ops a preset's optimizer loads, in the order DeepSpeed's engine picks it: none with torch_adam
-    (torch's AdamW), cpu_adam when the optimizer is offloaded, else fused_adam."""
+def preset_ops(cfg: dict[str, Any], accelerator: str | None = None) -> list[str]:
+    """The DeepSpeed ops a preset loads. Its optimizer's, in the order DeepSpeed's engine picks it: none with
+    torch_adam (torch's AdamW), cpu_adam when the optimizer is offloaded, else fused_adam. On the CPU accelerator
+    every run also builds deepspeed_shm_comm (DeepSpeed's shared-memory collectives, comm/torch.py)."""
+    comm = ["deepspeed_shm_comm"] if accelerator == "cpu" else []
     optimizer = cfg.get("optimizer") or {}
     if str(optimizer.get("type", "")).lower() not in ("adam", "adamw"):
-        return []
+        return comm
     if (optimizer.get("params") or {}).get("torch_adam") is True:
-        return []
+        return comm
     offload = ((cfg.get("zero_optimization") or {}).get("offload_optimizer") or {}).get("device")
-    return ["cpu_adam"] if offload in ("cpu", "nvme") else ["fused_adam"]
+    return ["cpu_adam" if offload in ("cpu", "nvme") else "fused_adam", *comm]
 
 
 def preset_build(
@@ -253,7 +255,7 @@ def preset_build(
     that is missing here."""
     if isinstance(cfg, UserError):
         return {"preset": name, "ops": [], "build": [], "tools": [], "missing": [f"the preset: {cfg.problem}"]}
-    ops = preset_ops(cfg)
+    ops = preset_ops(cfg, ds.get("accelerator"))
     build = [op for op in ops if op not in ds.get("ops_prebuilt", [])]
     needed = ([*JIT_TOOLS] if ds.get("accelerator") == "cuda" else ["c++"]) if build else []
     missing = [f"{op}, which DeepSpeed cannot build here" for op in build if op in ds.get("ops_incompatible", [])]

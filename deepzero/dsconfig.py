@@ -81,25 +81,15 @@ KNOWN_TOP_LEVEL = frozenset(
     ]
 )
 
-ADAM_PARAMS = frozenset(
-    [
-        "lr",
-        "betas",
-        "eps",
-        "weight_decay",
-        "torch_adam",
-        "fused",
-        "foreach",
-        "adam_w_mode",
-        "bias_correction",
-        "amsgrad",
-    ]
-)
-"""DeepSpeed's Adam keys; with ``torch_adam`` the rest go to torch.optim.AdamW (``fused``, ``foreach``)."""
+ADAM_PARAMS = frozenset(["lr", "betas", "eps", "weight_decay", "amsgrad", "adam_w_mode", "torch_adam"])
+"""Keys every Adam takes; ``torch_adam`` also takes torch.optim.AdamW's ``fused`` / ``foreach``, DeepSpeed's own
+Adams (FusedAdam, DeepSpeedCPUAdam) ``bias_correction`` (engine.py ``get_optimizer_configuration``)."""
+TORCH_ADAM_ONLY = frozenset(["fused", "foreach"])
+DEEPSPEED_ADAM_ONLY = frozenset(["bias_correction"])
 
 OPTIMIZER_PARAMS = {
-    "adam": ADAM_PARAMS,
-    "adamw": ADAM_PARAMS,
+    "adam": ADAM_PARAMS | TORCH_ADAM_ONLY | DEEPSPEED_ADAM_ONLY,
+    "adamw": ADAM_PARAMS | TORCH_ADAM_ONLY | DEEPSPEED_ADAM_ONLY,
     "sgd": {"lr", "momentum", "weight_decay", "nesterov", "dampening"},
     "lamb": {"lr", "betas", "eps", "weight_decay", "max_coeff", "min_coeff", "bias_correction"},
     "adagrad": {"lr", "eps", "weight_decay", "lr_decay"},
@@ -245,6 +235,8 @@ def validate(cfg: dict[str, Any]) -> list[str]:
             for k in opt.get("params", {}):
                 if k not in known:
                     problems.append(f"unknown key 'optimizer.params.{k}' ({_typo_hint(k, known)})")
+            if str(opt.get("type", "")).lower() in ("adam", "adamw"):
+                problems += _adam_problems(opt.get("params", {}))
     if sched := cfg.get("scheduler"):
         known = _scheduler_params(str(sched.get("type", "")))
         if known is None:
@@ -253,6 +245,20 @@ def validate(cfg: dict[str, Any]) -> list[str]:
             for k in sched.get("params", {}):
                 if k not in known:
                     problems.append(f"unknown key 'scheduler.params.{k}' ({_typo_hint(k, known)})")
+    return problems
+
+
+def _adam_problems(params: dict[str, Any]) -> list[str]:
+    """Keys that only one of DeepSpeed's two Adam paths accepts (the other raises a TypeError in initialize)."""
+    torch_adam = params.get("torch_adam") is True
+    wrong = (DEEPSPEED_ADAM_ONLY if torch_adam else TORCH_ADAM_ONLY) & set(params)
+    problems = [
+        f"'optimizer.params.{k}' needs \"torch_adam\": {str(not torch_adam).lower()} (it is an option of "
+        f"{'DeepSpeed' if torch_adam else 'torch'}'s AdamW)"
+        for k in sorted(wrong)
+    ]
+    if params.get("fused") is True and params.get("foreach") is True:
+        problems.append("'optimizer.params.fused' and 'optimizer.params.foreach' are both true (pick one)")
     return problems
 
 

@@ -379,7 +379,8 @@ class LoraExportReport(ExportReport):
 
 
 TOLERANCE = {torch.float32: 1e-4, torch.float16: 1e-2, torch.bfloat16: 5e-2}
-"""Allowed median per-token max |Δlogit| between the merged export (reloaded in its dtype) and the LoRA engine."""
+"""Allowed median per-token max |Δlogit| between the merged export (reloaded in its dtype on the CPU) and a LoRA
+engine on the CPU; an engine on a GPU sums in another order, so fp32 gets the 1e-3 of ``ExportReport.measured``."""
 
 
 @torch.no_grad()
@@ -405,7 +406,7 @@ def export_lora_hf(
                 diff.max().item(),
                 str(merged.dtype).removeprefix("torch."),
                 median_token_logit_diff=diff.amax(-1).median().item(),
-                tolerance=TOLERANCE.get(merged.dtype, 1e-3),
+                tolerance=max(TOLERANCE[merged.dtype], 0.0 if engine.device.type == "cpu" else 1e-3),
                 merged_modules=wrapped,
             )
     if dist.is_initialized():

@@ -23,6 +23,7 @@ from transformers import AutoModelForCausalLM, PretrainedConfig
 from deepzero.errors import UserError
 from deepzero.flops import routed_experts
 from deepzero.modeling import planning_config
+from deepzero.precision import requested_precision
 
 GiB = 2**30
 ADAM_K = 12
@@ -225,7 +226,7 @@ def setup_from_ds_config(
         max_live_parameters=_int(zero.get("stage3_max_live_parameters", 1_000_000_000), 1_000_000_000),
         sub_group_size=_int(zero.get("sub_group_size", 1_000_000_000), 1_000_000_000),
     )
-    precision = "bf16" if ds.get("bf16", {}).get("enabled") else "fp16" if ds.get("fp16", {}).get("enabled") else "fp32"
+    precision = requested_precision(ds)
     if micro_batch is None:
         micro_batch = _int(ds.get("train_micro_batch_size_per_gpu", 1), 1)
     return Setup(

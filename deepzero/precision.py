@@ -102,7 +102,7 @@ def probe_cpu() -> DeviceKernels:
     found = {t: sorted(flags.intersection(names)) for t, names in CPU_FEATURES.items()}
     fp16 = bool(torch.backends.mkldnn.is_available() and torch.ops.mkldnn._is_mkldnn_fp16_supported())
     bf16 = bool(found["bf16"]) or (not flags and bool(torch.ops.mkldnn._is_mkldnn_bf16_supported()))
-    missing = [f"no {'/'.join(CPU_FEATURES[t][:2])}" for t in ("fp16", "bf16") if not found[t]]
+    missing = [f"no {'/'.join(CPU_FEATURES[t][:2])}" for t, native in (("fp16", fp16), ("bf16", bf16)) if not native]
     detail = ", ".join(found["fp16"] + found["bf16"] + missing) or "no /proc/cpuinfo flags"
     return DeviceKernels("cpu", cpu_model(), fp16, bf16, detail)
 
@@ -171,7 +171,8 @@ def _check_runnable(dtype: str, kernels: DeviceKernels) -> None:
 
 def apply(ds: dict[str, Any], dtype: str) -> None:
     """Set the config's precision sections to ``dtype`` in place (keeping the chosen section's other settings)."""
-    ds.pop("bfloat16", None)
+    if "bfloat16" in ds:  # DeepSpeed's older name for the bf16 section
+        ds["bf16"] = {**ds.pop("bfloat16"), **(ds.get("bf16") or {})}
     for section in ("fp16", "bf16"):
         if section == dtype:
             ds[section] = {**(ds.get(section) or {}), "enabled": True}

@@ -22,7 +22,7 @@ from deepzero import checkpoint, dsconfig, engines, modeling, report, universal
 from deepzero.args import TrainArgs
 from deepzero.data import PackedDataset, check_enough_rows, load_meta
 from deepzero.distributed import init_distributed
-from deepzero.engines import Strategy, TrainEngine
+from deepzero.engines import EngineSettings, TrainEngine
 from deepzero.errors import UserError
 from deepzero.flops import flops_per_token, peak_tflops, routed_experts
 from deepzero.lora import LoraSpec
@@ -39,7 +39,7 @@ class RunPlan:
     source: modeling.ModelSource
     config: Any
     cfg: dsconfig.ResolvedConfig
-    strategy: Strategy
+    engine_settings: EngineSettings
     lr_source: str
     seq_len: int
     train_data: PackedDataset
@@ -101,9 +101,9 @@ def plan_run(args: TrainArgs, world: int) -> RunPlan:
             f"--model {args.model} is a dense model (no routed experts)",
             "drop --experts-impl",
         )
-    strategy = choose_strategy(args)
-    cfg = dsconfig.resolve(args.deepspeed_config, strategy.dp_size(world), hints, args.ds, precision=args.precision)
-    strategy.check_batch(cfg.batch)
+    settings = choose_engine(args)
+    cfg = dsconfig.resolve(args.deepspeed_config, settings.dp_size(world), hints, args.ds, precision=args.precision)
+    settings.check_batch(cfg.batch)
     if cfg.precision_choice.changed:
         warn(f"{cfg.precision_choice.describe()}. Fix: pass --precision to choose another")
     lr_source = (
@@ -124,10 +124,10 @@ def plan_run(args: TrainArgs, world: int) -> RunPlan:
     tokenizer = modeling.load_tokenizer(args.tokenizer or meta.get("tokenizer") or args.model, args.trust_remote_code)
     if warning := check_fit(config, cfg.ds, world, None, seq_len, gradient_checkpointing=args.gradient_checkpointing):
         warn(warning)
-    return RunPlan(source, config, cfg, strategy, lr_source, seq_len, train_data, val_data, tokenizer)
+    return RunPlan(source, config, cfg, settings, lr_source, seq_len, train_data, val_data, tokenizer)
 
 
-def choose_strategy(args: TrainArgs) -> Strategy:
+def choose_engine(args: TrainArgs) -> EngineSettings:
     """The way to use the cards, from the preset's "pipeline" section (after --ds overrides) and the flags."""
     raw = dsconfig.load_json(args.deepspeed_config)
     dsconfig.apply_overrides(raw, list(args.ds), args.deepspeed_config)
@@ -182,7 +182,7 @@ def setup(args: TrainArgs) -> Run:
         universal.configure_resume(plan.cfg.ds, args.checkpoint_dir)
     rank, world = init_distributed()
     torch.manual_seed(args.seed)
-    engine = plan.strategy.build(partial(make_model, args, plan), plan.cfg.ds, plan.seq_len)
+    engine = plan.engine_settings.build(partial(make_model, args, plan), plan.cfg.ds, plan.seq_len)
     state = checkpoint.load(engine, args.checkpoint_dir) if args.resume else checkpoint.TrainState()
     run_config = {
         "args": vars(args),

@@ -86,7 +86,7 @@ def train_loop(run: Run, batches: Iterator[Batch]) -> None:
         step_loss = engine.train_step(batches)
         bad_streak = (bad_streak + 1) * (~torch.isfinite(step_loss))
         loss_sum += step_loss
-        run.state.advance(run.cfg.batch.global_batch, run.seq_len)
+        run.state.advance(run.cfg.batch.global_batch, run.tokens_per_step)
         window.steps += 1
         bar.update(1)
         step = run.state.step
@@ -210,7 +210,8 @@ def finish(run: Run) -> None:
                     f"the reloaded export differs from the engine: max |Δlogit| {exported.max_abs_logit_diff:.3g} >"
                     f" tolerance {exported.tolerance:.3g} ({exported.dtype}); the trained weights are safe in"
                     f" {args.checkpoint_dir}/{checkpoint.latest_tag(args.checkpoint_dir)}",
-                    f"export them with `python -m deepzero.export {args.out_dir} --out {args.out_dir}/hf-fp32`",
+                    f"resume from there, or (ZeRO checkpoints) export them offline with `python -m deepzero.export"
+                    f" {args.out_dir} --out {args.out_dir}/hf-fp32`",
                 )
     if run.is_main:
         report.print_summary(run)

@@ -255,14 +255,18 @@ def test_op_builds_per_preset() -> None:
     offload = [n for n, c in PRESETS.items() if c["zero_optimization"].get("offload_optimizer", {}).get("device")]
     assert torch_adam and offload and not set(torch_adam) & set(offload)
     bare = _rows(doctor.build_report(PRESETS, _ds_info("cpu"), NO_TOOLS))
-    for name in torch_adam:
-        assert bare[name]["ops"] == [] and bare[name]["missing"] == [], name
+    for name in torch_adam:  # on the CPU, DeepSpeed's shared-memory collectives still compile
+        assert bare[name]["ops"] == ["deepspeed_shm_comm"] and bare[name]["missing"] == [doctor.JIT_TOOLS["c++"]], name
     for name in offload:
-        assert bare[name]["build"] == ["cpu_adam"] and bare[name]["missing"] == [doctor.JIT_TOOLS["c++"]], name
+        assert bare[name]["build"] == ["cpu_adam", "deepspeed_shm_comm"], name
+        assert bare[name]["missing"] == [doctor.JIT_TOOLS["c++"]], name
         assert (
             doctor._build_cell(bare[name])
-            == "cpu_adam, compiled on first use with c++: missing: a C++ compiler (c++ or g++)"
+            == "cpu_adam, deepspeed_shm_comm, compiled on first use with c++: missing: a C++ compiler (c++ or g++)"
         )
+    cuda_bare = _rows(doctor.build_report(PRESETS, _ds_info("cuda"), NO_TOOLS))
+    for name in torch_adam:  # a CUDA box with pip's torch and no toolkit: nothing to compile
+        assert cuda_bare[name]["ops"] == [] and cuda_bare[name]["missing"] == [], name
     cuda = _rows(doctor.build_report(PRESETS, _ds_info("cuda"), {"c++": "/usr/bin/g++", "nvcc": None}))
     assert all(cuda[name]["missing"] == [doctor.JIT_TOOLS["nvcc"]] for name in offload)
     assert all(doctor._build_cell(cuda[name]).endswith(": ok") for name in torch_adam)
@@ -279,6 +283,7 @@ def test_preset_ops_follow_deepspeeds_choice() -> None:
     assert doctor.preset_ops(offloaded) == ["cpu_adam"]
     torch_adam = {**offloaded, "optimizer": {"type": "AdamW", "params": {"torch_adam": True}}}
     assert doctor.preset_ops(torch_adam) == []  # DeepSpeed checks torch_adam before offload
+    assert doctor.preset_ops(torch_adam, "cpu") == ["deepspeed_shm_comm"]
     broken = doctor.preset_build("x.json", adam, ALL_TOOLS, _ds_info("cuda", ops_incompatible=["fused_adam"]))
     assert broken["missing"] == ["fused_adam, which DeepSpeed cannot build here"]
 

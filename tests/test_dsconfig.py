@@ -143,3 +143,23 @@ def test_a_learning_rate_that_is_not_a_positive_number_is_named(tmp_path: Path, 
     cfg["optimizer"]["params"]["lr"] = bad
     with pytest.raises(UserError, match=r"'optimizer\.params\.lr' must be a positive number"):
         resolve(write(tmp_path, cfg), dp_size=3, hints=HINTS)
+
+
+@pytest.mark.parametrize(
+    ("params", "problem"),
+    [
+        ({"torch_adam": False, "fused": True}, "'optimizer.params.fused' needs \"torch_adam\": true"),
+        (
+            {"torch_adam": True, "bias_correction": True},
+            "'optimizer.params.bias_correction' needs \"torch_adam\": false",
+        ),
+        ({"torch_adam": True, "fused": True, "foreach": True}, "are both true (pick one)"),
+    ],
+)
+def test_adam_keys_must_suit_the_adam_deepspeed_builds(tmp_path: Path, params: dict, problem: str) -> None:
+    """DeepSpeed passes these keys on to torch's AdamW (torch_adam) or to its own Adam, which raise a TypeError."""
+    cfg = seed_preset()
+    cfg["optimizer"]["params"] |= params
+    with pytest.raises(UserError) as err:
+        resolve(write(tmp_path, cfg), dp_size=3, hints=HINTS)
+    assert problem in str(err.value)

@@ -153,3 +153,28 @@ def test_the_seed_preset_on_a_cpu_without_fp16_trains_in_fp32_and_says_so(tiny_d
     assert recorded["precision"]["kernels"]["fp16"] is False
     assert recorded["deepspeed"]["fp16"]["enabled"] is False
     assert [r["step"] for r in records(out)] == [1, 2] and "loss_scale" not in records(out)[-1]
+
+
+@pytest.mark.parametrize(
+    ("flags", "native_bf16"),
+    [
+        ({"avx2", "avx512f", "avx512bw", "avx512_vnni"}, False),  # Cascade Lake: oneDNN emulates bf16
+        ({"avx2", "fma"}, False),  # EPYC without AVX-512
+        ({"avx512f", "avx512_bf16"}, True),  # Zen 4, Cooper Lake
+        ({"avx512f", "amx_tile", "amx_bf16"}, True),  # Sapphire Rapids
+        ({"fp", "asimd", "bf16"}, True),  # aarch64 with BF16 (Graviton 3)
+    ],
+)
+def test_bf16_is_native_only_with_its_own_instructions(
+    monkeypatch: pytest.MonkeyPatch, flags: set[str], native_bf16: bool
+) -> None:
+    monkeypatch.setattr(precision, "cpu_flags", lambda: flags)
+    kernels = precision.probe_cpu()
+    assert kernels.bf16 is native_bf16
+    assert ("no avx512_bf16/amx_bf16" in kernels.detail) is not native_bf16
+
+
+def test_the_old_bfloat16_section_keeps_its_settings() -> None:
+    ds = {"bfloat16": {"enabled": True, "immediate_grad_update": True}, "fp16": {"enabled": False}}
+    precision.apply(ds, "bf16")
+    assert ds == {"bf16": {"enabled": True, "immediate_grad_update": True}, "fp16": {"enabled": False}}

@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any, Protocol
 
@@ -11,6 +11,9 @@ import torch.distributed as dist
 from torch import nn
 
 from deepzero.export import ExportReport
+
+ModelFactory = Callable[[], nn.Module]
+"""Builds the model when the engine is ready for it (ZeRO-3 first sets up partitioning at load)."""
 
 Batch = dict[str, torch.Tensor]
 """One micro-batch from the packed dataset: ``input_ids``, ``labels``, ``shift_labels``."""
@@ -122,7 +125,7 @@ class DeepSpeedBacked:
 
 
 @torch.no_grad()
-def summed_eval_loss(engine: Any, batches: Iterator[Batch]) -> float:
+def mean_eval_loss(engine: Any, batches: Iterator[Batch]) -> float:
     """Mean over micro-batches of ``engine(**batch).loss`` in eval mode, averaged over every rank."""
     engine.eval()
     total = torch.zeros(2, device=engine.device)

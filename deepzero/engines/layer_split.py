@@ -8,14 +8,16 @@ ds_configs JSON: torch's AdamW with the preset's params and DeepSpeed's own LR s
 from __future__ import annotations
 
 import contextlib
-from collections.abc import Callable, Iterator
+from collections.abc import Iterator
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
 import torch
 from deepspeed.runtime import lr_schedules
 
-from deepzero.engines.base import Batch, summed_eval_loss
+from deepzero.dsconfig import BatchMath
+from deepzero.engines.base import Batch, ModelFactory, mean_eval_loss
 from deepzero.errors import UserError
 from deepzero.export import ExportReport, export_hf
 from deepzero.placement import Placement, apply_placement, format_placement, plan_placement, torch_device
@@ -69,7 +71,7 @@ class LayerSplitEngine:
 
     @classmethod
     def build(
-        cls, build_model: Callable[[], torch.nn.Module], ds: dict[str, Any], devices: list[str | int], seq_len: int
+        cls, build_model: ModelFactory, ds: dict[str, Any], devices: list[str | int], seq_len: int
     ) -> LayerSplitEngine:
         """Build the model, balance its layers over ``devices`` (printing the table) and move them there."""
         model = build_model()
@@ -89,7 +91,7 @@ class LayerSplitEngine:
         return total / self.accum
 
     def eval_loss(self, batches: Iterator[Batch], micro_batches: int) -> float:
-        return summed_eval_loss(self, batches)
+        return mean_eval_loss(self, batches)
 
     def export(self, tokenizer: Any, out_dir: Path, probe: Batch) -> ExportReport | None:
         return export_hf(self, tokenizer, out_dir, probe)
@@ -171,3 +173,25 @@ class LayerSplitEngine:
             self.lr_scheduler.load_state_dict(state["lr_scheduler"])
         self.micro_steps, self.global_steps = state["steps"]
         return str(path.parent), state["client_state"]
+
+
+@dataclass(frozen=True)
+class LayerSplitSettings:
+    """One process, the layers balanced over ``devices`` (``--device-map-devices``; default: every GPU)."""
+
+    devices: str | None = None
+
+    def dp_size(self, world: int) -> int:
+        if world > 1:
+            raise UserError(
+                "--device-map",
+                f"layer split runs in one process, not {world}",
+                "run `python train.py --device-map balanced`",
+            )
+        return 1
+
+    def check_batch(self, batch: BatchMath) -> None:
+        return None
+
+    def build(self, build_model: ModelFactory, ds_config: dict[str, Any], seq_len: int) -> LayerSplitEngine:
+        return LayerSplitEngine.build(build_model, ds_config, parse_devices(self.devices), seq_len)

@@ -23,7 +23,7 @@ device and only those are trained. Models that do not fit in host memory per ran
 
 from __future__ import annotations
 
-from collections.abc import Callable, Iterable, Iterator
+from collections.abc import Iterable, Iterator
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -35,7 +35,7 @@ from torch import nn
 
 from deepzero.data import IGNORE_INDEX
 from deepzero.dsconfig import BatchMath
-from deepzero.engines.base import Batch, DeepSpeedBacked
+from deepzero.engines.base import Batch, DeepSpeedBacked, ModelFactory
 from deepzero.errors import UserError
 from deepzero.export import ExportReport, attn_implementation_of, publish_and_compare
 
@@ -95,7 +95,7 @@ class PipelineSettings:
                 f"set gradient_accumulation_steps to {self.stages} or more (more micro-batches → smaller bubble)",
             )
 
-    def build(self, build_model: Callable[[], nn.Module], ds_config: dict[str, Any], seq_len: int) -> PipelineEngine:
+    def build(self, build_model: ModelFactory, ds_config: dict[str, Any], seq_len: int) -> PipelineEngine:
         return PipelineEngine.build(build_model, ds_config, self)
 
 
@@ -333,9 +333,7 @@ class PipelineEngine(DeepSpeedBacked):
         self.dp_size = engine.grid.data_parallel_size
 
     @classmethod
-    def build(
-        cls, build_model: Callable[[], nn.Module], ds_config: dict[str, Any], settings: PipelineSettings
-    ) -> PipelineEngine:
+    def build(cls, build_model: ModelFactory, ds_config: dict[str, Any], settings: PipelineSettings) -> PipelineEngine:
         """Build the whole model on every rank, cut it into stages, keep this rank's (DeepSpeed PipelineModule)."""
         model = build_model()
         engine, name_map = build_pipeline_engine(
