@@ -39,6 +39,13 @@ class TrainArgs:
     max_steps: int = field(default=200, **_help("Optimizer steps to train for (not micro-steps)."))
     lr: float | None = field(default=None, **_help("Override the optimizer lr (and the scheduler's peak lr)."))
     warmup_steps: int | None = field(default=None, **_help("Override the scheduler's warmup_num_steps."))
+    lr_schedule: Literal["constant", "cosine", "linear"] | None = field(
+        default=None,
+        **_help(
+            "Replace the preset's LR scheduler (warm-up kept): constant (WarmupLR), cosine (WarmupCosineLR, down to"
+            " 0.1 × the peak at --max-steps) or linear (WarmupDecayLR, down to 0). Fine-tuning: cosine."
+        ),
+    )
     micro_batch: int | None = field(default=None, **_help("Override train_micro_batch_size_per_gpu."))
     grad_accum: int | None = field(default=None, **_help("Override gradient_accumulation_steps."))
     ds: list[str] = field(

@@ -127,6 +127,31 @@ class TrainingHints:
     micro_batch: int | None = None
     grad_accum: int | None = None
     hidden_size: int | None = None
+    lr_schedule: str | None = None
+    """``--lr-schedule``: replace the preset's scheduler with one of :data:`LR_SCHEDULES`."""
+
+
+LR_SCHEDULES: dict[str, dict[str, Any]] = {
+    "constant": {"type": "WarmupLR", "params": {"warmup_min_lr": 0, "warmup_max_lr": "auto"}},
+    "cosine": {
+        "type": "WarmupCosineLR",
+        "params": {"total_num_steps": "auto", "warmup_min_ratio": 0.0, "cos_min_ratio": 0.1},
+    },
+    "linear": {
+        "type": "WarmupDecayLR",
+        "params": {"total_num_steps": "auto", "warmup_min_lr": 0, "warmup_max_lr": "auto"},
+    },
+}
+"""DeepSpeed's schedules behind ``--lr-schedule``: linear warm-up, then constant, cosine down to 0.1 × the peak, or
+linear down to 0 at ``--max-steps`` (``total_num_steps``)."""
+DECAYING = ("WarmupDecayLR", "WarmupCosineLR")
+
+
+def replace_schedule(cfg: dict[str, Any], name: str) -> None:
+    """Swap the config's scheduler for ``LR_SCHEDULES[name]``, keeping its warm-up length."""
+    old = (cfg.get("scheduler") or {}).get("params", {})
+    params = {**LR_SCHEDULES[name]["params"], "warmup_num_steps": old.get("warmup_num_steps", "auto")}
+    cfg["scheduler"] = {"type": LR_SCHEDULES[name]["type"], "params": {**params, "warmup_type": "linear"}}
 
 
 def load_json(path: str | Path) -> dict[str, Any]:
@@ -238,6 +263,13 @@ def validate(cfg: dict[str, Any]) -> list[str]:
             if str(opt.get("type", "")).lower() in ("adam", "adamw"):
                 problems += _adam_problems(opt.get("params", {}))
     if sched := cfg.get("scheduler"):
+        params = sched.get("params", {})
+        warmup, total = params.get("warmup_num_steps"), params.get("total_num_steps")
+        if sched.get("type") in DECAYING and isinstance(warmup, int) and isinstance(total, int) and warmup >= total:
+            problems.append(
+                f"'scheduler.params.warmup_num_steps' {warmup} leaves no steps to decay over (total {total}, from"
+                " --max-steps)"
+            )
         known = _scheduler_params(str(sched.get("type", "")))
         if known is None:
             problems.append(f"'scheduler.type' {sched.get('type')!r} is not a DeepSpeed LR schedule")
@@ -406,6 +438,8 @@ def resolve(
     except (TypeError, ValueError) as err:
         problems.append(f'batch keys must be integers or "auto" ({err})')
         batch = BatchMath(1, 1, dp_size)
+    if hints.lr_schedule is not None:
+        replace_schedule(cfg, hints.lr_schedule)
     unresolved = fill_auto(cfg, hints)
     problems += [f"'{k}' is \"auto\" but nothing can fill it" for k in unresolved]
     if unresolved:

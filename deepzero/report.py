@@ -98,7 +98,8 @@ def print_header(run: Run, model_name: str) -> None:
 
 def _sched_brief(ds: dict[str, Any]) -> str:
     params = ds.get("scheduler", {}).get("params", {})
-    return f"(warmup {params['warmup_num_steps']} steps)" if "warmup_num_steps" in params else ""
+    decay = f", decay to step {params['total_num_steps']}" if "total_num_steps" in params else ""
+    return f"(warmup {params['warmup_num_steps']} steps{decay})" if "warmup_num_steps" in params else ""
 
 
 def print_summary(run: Run) -> None:

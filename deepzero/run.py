@@ -94,6 +94,7 @@ def plan_run(args: TrainArgs, world: int) -> RunPlan:
         micro_batch=args.micro_batch,
         grad_accum=args.grad_accum,
         hidden_size=config.hidden_size,
+        lr_schedule=args.lr_schedule,
     )
     if args.experts_impl is not None and not routed_experts(config):
         raise UserError(

@@ -163,3 +163,18 @@ def test_adam_keys_must_suit_the_adam_deepspeed_builds(tmp_path: Path, params: d
     with pytest.raises(UserError) as err:
         resolve(write(tmp_path, cfg), dp_size=3, hints=HINTS)
     assert problem in str(err.value)
+
+
+@pytest.mark.parametrize(("name", "kind"), [("cosine", "WarmupCosineLR"), ("linear", "WarmupDecayLR")])
+def test_lr_schedule_switch_decays_to_max_steps(name: str, kind: str) -> None:
+    hints = TrainingHints(max_steps=100, hidden_size=128, lr=1e-4, warmup_steps=10, lr_schedule=name)
+    sched = resolve("ds_configs/zero2.json", dp_size=3, hints=hints).ds["scheduler"]
+    assert sched["type"] == kind and sched["params"]["total_num_steps"] == 100
+    assert sched["params"]["warmup_num_steps"] == 10 and sched["params"]["warmup_type"] == "linear"
+    assert sched["params"].get("warmup_max_lr", 1e-4) == 1e-4  # cosine scales the optimizer's lr
+
+
+def test_a_warmup_as_long_as_the_run_leaves_nothing_to_decay() -> None:
+    hints = TrainingHints(max_steps=100, hidden_size=128, lr_schedule="cosine")  # the preset warms up for 500 steps
+    with pytest.raises(UserError, match=r"'scheduler\.params\.warmup_num_steps' 500 leaves no steps to decay over"):
+        resolve("ds_configs/zero2.json", dp_size=3, hints=hints)

@@ -119,6 +119,35 @@ def test_one_rank_and_three_ranks_give_the_same_curve(tiny_data: Path, tmp_path:
     assert a[8] < a[1] - 0.3
 
 
+def test_cosine_decay_resumes_exactly_inside_the_decay(tiny_data: Path, tmp_path: Path) -> None:
+    """--lr-schedule cosine on 1 rank: warm-up 2 steps (the lr a log point shows is the next step's), then the lr
+    falls to 0.1 × the peak at --max-steps; a resume
+    from step 4 (inside the decay) gives the same lr and loss at steps 5-8 as the uninterrupted run."""
+    import shutil
+
+    out = tmp_path / "run"
+    args = ["--deepspeed_config", "ds_configs/zero2.json", "--precision", "fp32", "--lr-schedule", "cosine"]
+    args += tiny_args(tiny_data, out, "--max-steps", "8", "--warmup-steps", "2", "--save-interval", "4")
+    args += ["--eval-interval", "0", "--no-export"]
+    proc = launch(args, nproc=1)
+    assert "scheduler WarmupCosineLR (warmup 2 steps, decay to step 8)" in proc.stdout
+    full = {r["step"]: r for r in records(out)}
+    warm, decay = [full[s]["lr"] for s in (1, 2, 3)], [full[s]["lr"] for s in range(3, 9)]
+    assert warm == sorted(warm) and decay == sorted(decay, reverse=True) and len(set(decay)) == len(decay)
+    assert decay[-1] == pytest.approx(0.1 * 3e-3)  # cos_min_ratio × the peak, reached at --max-steps
+    again = tmp_path / "again"
+    shutil.copytree(out, again)
+    (again / "checkpoints" / "latest").write_text("step00000004")
+    (again / "metrics.jsonl").unlink()
+    args[args.index(str(out))] = str(again)
+    proc = launch([*args, "--resume"], nproc=1)
+    assert "resumed from step 4" in proc.stdout
+    resumed = {r["step"]: r for r in records(again)}
+    for step in range(5, 9):
+        assert resumed[step]["lr"] == full[step]["lr"], step
+        assert resumed[step]["loss"] == pytest.approx(full[step]["loss"], rel=1e-6), step
+
+
 def test_local_pretrained_deepseek_v2_under_zero3_with_wandb_offline(tiny_data: Path, tmp_path: Path) -> None:
     """--model <folder> goes through from_pretrained; ZeRO-3 bf16; wandb offline; secrets stay out of logs."""
     from deepzero.presets import get_preset
