@@ -180,6 +180,42 @@ def apply(ds: dict[str, Any], dtype: str) -> None:
             ds[section] = {**ds[section], "enabled": False}
 
 
+FP16_MAX = float(torch.finfo(torch.float16).max)
+
+
+def checkpoint_dtype(config: Any) -> torch.dtype | None:
+    """The dtype a checkpoint's config.json says its weights are stored in (``dtype``, formerly ``torch_dtype``)."""
+    value = getattr(config, "dtype", None) or getattr(config, "torch_dtype", None)
+    if isinstance(value, str):
+        value = getattr(torch, value, None)
+    return value if isinstance(value, torch.dtype) else None
+
+
+def fp16_risk(config: Any, precision: Precision, source: str) -> str | None:
+    """A warning when a checkpoint stored in bf16/fp32 will be trained in fp16: weights beyond ±65504 overflow."""
+    stored = checkpoint_dtype(config)
+    if precision.dtype != "fp16" or stored not in (torch.bfloat16, torch.float32):
+        return None
+    return (
+        f"--model {source}: the checkpoint is stored in {str(stored).removeprefix('torch.')} and this run trains in fp16"
+        f" ({precision.source}); weights beyond fp16's ±{FP16_MAX:g} would become inf (checked once loaded). Fix: train"
+        " in bf16 (ds_configs/zero2_bf16.json, or --precision bf16)"
+    )
+
+
+def check_fp16_range(model: torch.nn.Module, source: str, local: Any = lambda p: p) -> None:
+    """Refuse a model whose fp16 copy overflowed at load: the first tensor holding inf, by name. ``local`` gives
+    the values this rank holds (ZeRO-3 partitions)."""
+    for name, param in model.named_parameters():
+        values = local(param)
+        if values.dtype == torch.float16 and values.numel() and bool(torch.isinf(values).any()):
+            raise UserError(
+                f"--model {source}",
+                f"{name} holds values beyond fp16's ±{FP16_MAX:g}: they became inf when the weights loaded in fp16",
+                "train in bf16 (ds_configs/zero2_bf16.json, or --precision bf16)",
+            )
+
+
 def logit_tolerance(dtype: torch.dtype, reference: torch.Tensor, ulps: float = 4.0) -> float:
     """How far two computations of the same logits may differ when their weights/activations are in ``dtype``:
     ``ulps`` units of ``dtype``'s precision at the logits' scale (fp32: also an absolute 1e-4 floor). Wrong weights

@@ -23,12 +23,14 @@ from deepzero.args import TrainArgs
 from deepzero.data import PackedDataset, check_enough_rows, load_meta
 from deepzero.distributed import init_distributed
 from deepzero.engines import EngineSettings, TrainEngine
+from deepzero.engines.zero import local_values
 from deepzero.errors import UserError
 from deepzero.flops import flops_per_token, peak_tflops, routed_experts
 from deepzero.lora import LoraSpec
 from deepzero.metrics import MetricsSink, redact
 from deepzero.op_builds import check_op_builds
 from deepzero.plan import check_fit
+from deepzero.precision import check_fp16_range, fp16_risk
 from deepzero.presets import PRESETS
 
 
@@ -107,6 +109,8 @@ def plan_run(args: TrainArgs, world: int) -> RunPlan:
     settings.check_batch(cfg.batch)
     if cfg.precision_choice.changed:
         warn(f"{cfg.precision_choice.describe()}. Fix: pass --precision to choose another")
+    if not source.random_init and (risk := fp16_risk(config, cfg.precision_choice, args.model)):
+        warn(risk)
     lr_source = (
         f"model preset {args.model} (random init, from scratch)"
         if from_scratch
@@ -226,6 +230,8 @@ def make_model(args: TrainArgs, plan: RunPlan) -> nn.Module:
         trust_remote_code=args.trust_remote_code,
     )
     model.config.use_cache = False
+    if not plan.source.random_init and plan.cfg.precision == "fp16":
+        check_fp16_range(model, args.model, local_values)
     return model
 
 

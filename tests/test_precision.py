@@ -178,3 +178,57 @@ def test_the_old_bfloat16_section_keeps_its_settings() -> None:
     ds = {"bfloat16": {"enabled": True, "immediate_grad_update": True}, "fp16": {"enabled": False}}
     precision.apply(ds, "bf16")
     assert ds == {"bf16": {"enabled": True, "immediate_grad_update": True}, "fp16": {"enabled": False}}
+
+
+@pytest.fixture(scope="module")
+def bf16_checkpoint(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """A tiny DeepSeek-V3 checkpoint stored in bf16, as the published DeepSeek checkpoints are; one weight 1e5."""
+    from transformers import AutoModelForCausalLM
+
+    from deepzero.presets import get_preset
+
+    torch.manual_seed(0)
+    net = AutoModelForCausalLM.from_config(get_preset("tiny-deepseek-v3").config(vocab_size=512), dtype=torch.bfloat16)
+    folder = tmp_path_factory.mktemp("ckpt") / "bf16-model"
+    net.save_pretrained(folder)
+    with torch.no_grad():
+        net.model.layers[1].self_attn.o_proj.weight[0, 0] = 1e5  # fine in bf16, inf in fp16
+    net.save_pretrained(folder.with_name("bf16-overflowing"))
+    return folder
+
+
+def test_a_bf16_checkpoint_under_an_fp16_run_is_flagged_at_start(
+    bf16_checkpoint: Path, tiny_data: Path, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
+) -> None:
+    from deepzero.args import parse_args
+    from deepzero.run import plan_run
+
+    monkeypatch.setattr(precision, "probe", lambda: FULL_CPU)  # a CPU (or GPU) that trains the fp16 preset in fp16
+    args = ["--model", str(bf16_checkpoint), "--data", str(tiny_data), "--out", str(bf16_checkpoint.parent / "run")]
+    plan = plan_run(parse_args([*args, "--micro-batch", "2", "--grad-accum", "1"]), world=1)
+    assert plan.cfg.precision == "fp16"
+    warnings = [line for line in capsys.readouterr().err.splitlines() if "stored in bfloat16" in line]
+    assert warnings == [
+        f"warning: --model {bf16_checkpoint}: the checkpoint is stored in bfloat16 and this run trains in fp16"
+        " (ds_configs/zero2.json); weights beyond fp16's ±65504 would become inf (checked once loaded). Fix: train in"
+        " bf16 (ds_configs/zero2_bf16.json, or --precision bf16)"
+    ]
+    plan_run(parse_args([*args, "--micro-batch", "2", "--grad-accum", "1", "--precision", "bf16"]), world=1)
+    assert "stored in bfloat16" not in capsys.readouterr().err
+
+
+def test_weights_that_overflow_fp16_at_load_are_refused_by_name(bf16_checkpoint: Path) -> None:
+    from deepzero import modeling
+
+    for folder, overflows in ((bf16_checkpoint, False), (bf16_checkpoint.with_name("bf16-overflowing"), True)):
+        source = modeling.resolve_model(str(folder))
+        net = modeling.build_model(source, modeling.load_config(source), dtype=torch.float16)
+        if not overflows:
+            precision.check_fp16_range(net, str(folder))
+            continue
+        with pytest.raises(UserError) as err:
+            precision.check_fp16_range(net, str(folder))
+        assert str(err.value) == (
+            f"--model {folder}: model.layers.1.self_attn.o_proj.weight holds values beyond fp16's ±65504: they became"
+            " inf when the weights loaded in fp16. Fix: train in bf16 (ds_configs/zero2_bf16.json, or --precision bf16)"
+        )
