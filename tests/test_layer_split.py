@@ -8,6 +8,7 @@ import sys
 from pathlib import Path
 
 import pytest
+import torch
 from conftest import cpu_env, losses, records, run_bounded
 
 ARGS = ["--ds", "fp16.enabled=false", "train_batch_size=auto", "--max-steps", "6", "--lr", "3e-3"]
@@ -60,3 +61,50 @@ def test_split_under_a_multi_rank_launcher_is_refused(tiny_data: Path, tmp_path:
     proc = train(tiny_data, tmp_path / "x", 3, env=cpu_env(WORLD_SIZE="3"))
     assert proc.returncode == 2
     assert "error: --device-map: layer split runs in one process, not 3" in proc.stderr
+
+
+def test_a_bf16_update_keeps_fp32_master_weights_like_the_zero_engine(tiny_data: Path, tmp_path: Path) -> None:
+    """One bf16 update at a fine-tuning lr (1.5e-5) on the same batches: the layer split's fp32 master weights move
+    as the ZeRO-2 engine's do. Stepping the bf16 weights directly would round most of that update away (a bf16 ulp
+    at 0.02 is 1.2e-4). The two forwards differ by bf16 rounding noise (different kernels' order), so the updates
+    are compared as vectors, not bit for bit."""
+    from conftest import launch
+    from deepspeed.utils.zero_to_fp32 import get_fp32_state_dict_from_zero_checkpoint
+
+    common = ["--deepspeed_config", "ds_configs/zero2_bf16.json", "--precision", "bf16", "--data", str(tiny_data)]
+    common += ["--max-steps", "3", "--warmup-steps", "1", "--lr", "3e-5", "--micro-batch", "2", "--grad-accum", "1"]
+    common += ["--eval-interval", "0", "--no-export", "--save-interval", "1", "--keep-last", "3"]
+    split = tmp_path / "split"  # warm-up: steps 1-2 run at lr 0 (the masters stay at their start), step 3 at 1.5e-5
+    cmd = [sys.executable, "train.py", "--device-map", "balanced", "--device-map-devices", "cpu,cpu"]
+    proc = run_bounded([*cmd, *common, "--out", str(split)], 600)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    launch([*common, "--out", str(tmp_path / "zero")], nproc=1)
+
+    def ours(step: int) -> dict[str, torch.Tensor]:
+        path = split / "checkpoints" / f"step{step:08d}" / "layer_split_states.pt"
+        return torch.load(path, weights_only=True)["masters"]
+
+    def theirs(step: int) -> dict[str, torch.Tensor]:
+        return get_fp32_state_dict_from_zero_checkpoint(str(tmp_path / "zero" / "checkpoints"), tag=f"step{step:08d}")
+
+    start, end, zero_start, zero_end = ours(1), ours(3), theirs(1), theirs(3)
+    assert all(v.dtype == torch.float32 for v in end.values()) and end.keys() <= zero_end.keys()
+    for name in start:
+        torch.testing.assert_close(start[name], zero_start[name], rtol=0, atol=0, msg=name)  # same start, bit for bit
+    ours_update = torch.cat([(end[n] - start[n]).flatten() for n in start])
+    zero_update = torch.cat([(zero_end[n] - zero_start[n]).flatten() for n in start])
+    assert (ours_update != 0).float().mean() > 0.9  # nearly every weight moved, by far less than a bf16 ulp
+    assert torch.nn.functional.cosine_similarity(ours_update, zero_update, dim=0) > 0.9
+    assert ours_update.norm().item() == pytest.approx(zero_update.norm().item(), rel=0.05)
+
+
+def test_fp16_is_refused_with_one_line(tiny_data: Path, tmp_path: Path) -> None:
+    from conftest import fake_cpu_vars  # a CPU with native fp16, so the precision decision lets fp16 through
+
+    proc = train(tiny_data, tmp_path / "x", 2, "--precision", "fp16", env=cpu_env(**fake_cpu_vars("fp16")))
+    assert proc.returncode == 2
+    errors = [line for line in proc.stderr.splitlines() if line.startswith("error:")]
+    assert errors == [
+        "error: --device-map: the layer split trains in bf16 or fp32 (fp32 master weights); fp16 would need loss"
+        " scaling. Fix: pass --precision bf16 or --precision fp32"
+    ], proc.stderr[-2000:]

@@ -7,7 +7,6 @@ ds_configs JSON: torch's AdamW with the preset's params and DeepSpeed's own LR s
 
 from __future__ import annotations
 
-import contextlib
 from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
@@ -58,13 +57,20 @@ class LayerSplitEngine:
         opt = ds.get("optimizer", {"type": "AdamW", "params": {}})
         if str(opt.get("type", "")).lower() not in ("adam", "adamw"):
             raise UserError("--device-map", f"optimizer {opt.get('type')} is not supported here", 'use "AdamW"')
-        params = {k: v for k, v in opt.get("params", {}).items() if k in ("lr", "betas", "eps", "weight_decay")}
-        self.optimizer = torch.optim.AdamW([p for p in model.parameters() if p.requires_grad], **params)
+        keys = ("lr", "betas", "eps", "weight_decay", "fused", "foreach")
+        params = {k: v for k, v in opt.get("params", {}).items() if k in keys}
+        if ds.get("bf16", {}).get("enabled"):  # as DeepSpeed does: 16-bit weights, fp32 master weights to step
+            model.to(torch.bfloat16)
+        self.names = [name for name, p in model.named_parameters() if p.requires_grad]
+        self.trainable = [p for p in model.parameters() if p.requires_grad]
+        self.masters = [p if p.dtype == torch.float32 else p.detach().float().clone() for p in self.trainable]
+        """The fp32 weights the optimizer steps (the trainable parameters themselves in fp32 training): a bf16
+        update of lr 3e-5 × a unit gradient would round away on most weights."""
+        self.optimizer = torch.optim.AdamW(self.masters, **params)
         sched = ds.get("scheduler")
         self.lr_scheduler = getattr(lr_schedules, sched["type"])(self.optimizer, **sched["params"]) if sched else None
         self.accum = int(ds["gradient_accumulation_steps"])
         self.clip = float(ds.get("gradient_clipping", 0.0) or 0.0)
-        self.autocast_dtype = torch.bfloat16 if ds.get("bf16", {}).get("enabled") else None
         self.micro_steps = 0
         self.global_steps = 0
         self._grad_norm: torch.Tensor | None = None
@@ -117,19 +123,24 @@ class LayerSplitEngine:
         self.model.eval()
 
     def __call__(self, **batch: torch.Tensor) -> Any:
-        batch = {k: v.to(self.first_device) for k, v in batch.items()}
-        use_amp = self.autocast_dtype is not None and self.first_device.type == "cuda"
-        ctx = torch.autocast("cuda", dtype=self.autocast_dtype) if use_amp else contextlib.nullcontext()
-        with ctx:
-            return self.model(**batch)
+        return self.model(**{k: v.to(self.first_device) for k, v in batch.items()})
 
+    @torch.no_grad()
     def _optimizer_step(self) -> None:
+        """Gradients to the fp32 masters, clip, step, and the masters back into the 16-bit weights."""
         self.micro_steps += self.accum
-        params = [p for p in self.model.parameters() if p.grad is not None]
+        for param, master in zip(self.trainable, self.masters, strict=True):
+            if master is not param:
+                master.grad = None if param.grad is None else param.grad.float()
+        masters = [m for m in self.masters if m.grad is not None]
         if self.clip:
-            self._grad_norm = torch.nn.utils.clip_grad_norm_(params, self.clip)
+            self._grad_norm = torch.nn.utils.clip_grad_norm_(masters, self.clip)
         self.optimizer.step()
         self.optimizer.zero_grad(set_to_none=True)
+        for param, master in zip(self.trainable, self.masters, strict=True):
+            if master is not param:
+                param.copy_(master)
+                param.grad = None
         if self.lr_scheduler is not None:
             self.lr_scheduler.step()
         self.global_steps += 1
@@ -155,6 +166,7 @@ class LayerSplitEngine:
         folder.mkdir(parents=True, exist_ok=True)
         state = {
             "module": {k: v.cpu() for k, v in self.module.state_dict().items()},
+            "masters": {name: m.detach().cpu() for name, m in zip(self.names, self.masters, strict=True)},
             "optimizer": self.optimizer.state_dict(),
             "lr_scheduler": self.lr_scheduler.state_dict() if self.lr_scheduler else None,
             "steps": [self.micro_steps, self.global_steps],
@@ -168,6 +180,9 @@ class LayerSplitEngine:
             return None, {}
         state = torch.load(path, weights_only=True, map_location="cpu")
         self.module.load_state_dict(state["module"])
+        with torch.no_grad():
+            for name, master in zip(self.names, self.masters, strict=True):
+                master.copy_(state["masters"][name])
         self.optimizer.load_state_dict(state["optimizer"])
         if self.lr_scheduler and state["lr_scheduler"]:
             self.lr_scheduler.load_state_dict(state["lr_scheduler"])
@@ -194,4 +209,10 @@ class LayerSplitSettings:
         return None
 
     def build(self, build_model: ModelFactory, ds_config: dict[str, Any], seq_len: int) -> LayerSplitEngine:
+        if ds_config.get("fp16", {}).get("enabled"):
+            raise UserError(
+                "--device-map",
+                "the layer split trains in bf16 or fp32 (fp32 master weights); fp16 would need loss scaling",
+                "pass --precision bf16 or --precision fp32",
+            )
         return LayerSplitEngine.build(build_model, ds_config, parse_devices(self.devices), seq_len)
