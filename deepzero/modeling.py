@@ -22,6 +22,8 @@ class ModelSource:
     pretrained: str | None
     """Folder or hub id for from_pretrained; None for a random-init preset."""
     preset_config: PretrainedConfig | None = None
+    """A random-init preset's config; for a preset naming a checkpoint, the offline stand-in used for the checks
+    before weights load when the checkpoint's own config.json cannot be read."""
 
     @property
     def random_init(self) -> bool:
@@ -48,12 +50,15 @@ def resolve_model(spec: str) -> ModelSource:
 
 
 def load_config(source: ModelSource, trust_remote_code: bool = False) -> PretrainedConfig:
-    """The model's config only (cheap): used for planning and checks before any weights load."""
-    if source.preset_config is not None:
+    """The model's config only (cheap): used for planning and checks before any weights load. A checkpoint's own
+    config.json (RoPE scaling, special ids); a preset naming a checkpoint falls back to its stand-in offline."""
+    if source.random_init:
         return source.preset_config
     try:
         return AutoConfig.from_pretrained(source.pretrained, trust_remote_code=trust_remote_code)
     except OSError as err:
+        if source.preset_config is not None:
+            return source.preset_config
         raise UserError(
             f"--model {source.spec}", f"cannot read its config ({_first_line(err)})", _offline_fix()
         ) from None
@@ -122,8 +127,8 @@ def build_model(
             if vocab_size is not None:
                 config.vocab_size = vocab_size
             return AutoModelForCausalLM.from_config(config, dtype=torch.float32, **kwargs)
-        model = AutoModelForCausalLM.from_pretrained(
-            source.pretrained, config=config, dtype=dtype, use_safetensors=_has_safetensors(source), **kwargs
+        model = AutoModelForCausalLM.from_pretrained(  # the checkpoint's own config.json, never a restated one
+            source.pretrained, dtype=dtype, use_safetensors=_has_safetensors(source), **kwargs
         )
     except OSError as err:
         raise UserError(f"--model {source.spec}", f"cannot load weights ({_first_line(err)})", _offline_fix()) from None
