@@ -122,6 +122,12 @@ class TrainArgs:
                 raise UserError(f"--{name.replace('_', '-')}", "must be at least 1", "pass a positive integer")
         if self.device_map not in (None, "balanced"):
             raise UserError(f"--device-map {self.device_map}", "unknown placement", "use --device-map balanced")
+        for name, least in (("micro_batch", 1), ("grad_accum", 1), ("warmup_steps", 0)):
+            value = getattr(self, name)
+            if value is not None and value < least:
+                raise UserError(
+                    f"--{name.replace('_', '-')}", f"must be at least {least}, got {value}", "pass a larger number"
+                )
         if self.lr is not None and not (math.isfinite(self.lr) and self.lr > 0):
             raise UserError("--lr", f"must be a positive number, got {self.lr}", "pass e.g. --lr 3e-5")
         for name in ("eval_interval", "save_interval"):

@@ -296,6 +296,10 @@ def _adam_problems(params: dict[str, Any]) -> list[str]:
 
 def resolve_batch(cfg: dict[str, Any], dp_size: int, hints: TrainingHints) -> BatchMath:
     """Fill and check the three batch keys against the real data-parallel size. Never floors silently."""
+    for key in ("train_micro_batch_size_per_gpu", "gradient_accumulation_steps", "train_batch_size"):
+        value = _int_or_none(cfg.get(key))
+        if value is not None and value < 1:
+            raise _BatchError(f"'{key}' must be at least 1, got {value}", f'set "{key}" to 1 or more, or to "auto"')
     micro = hints.micro_batch or _int_or_none(cfg.get("train_micro_batch_size_per_gpu"))
     accum = hints.grad_accum or _int_or_none(cfg.get("gradient_accumulation_steps"))
     total = None if (hints.micro_batch or hints.grad_accum) else _int_or_none(cfg.get("train_batch_size"))

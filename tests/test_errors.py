@@ -257,6 +257,26 @@ def cases(tiny_data: Path, root: Path) -> dict[str, Case]:
         train_py("--model", str(model), *small_args(tiny_data, out)), {"model": str(model)}, out
     )
 
+    out = fake_run(row("Zero batch"))
+    made["Batch size of zero"] = Case(
+        train_py(
+            "--ds",
+            "train_micro_batch_size_per_gpu=0",
+            "train_batch_size=auto",
+            *small_args(tiny_data, out, batch=False),
+        ),
+        {"config": "ds_configs/zero2.json"},
+        out,
+    )
+
+    broken = row("Broken meta") / "data"
+    shutil.copytree(tiny_data, broken)
+    (broken / "meta.json").write_text((tiny_data / "meta.json").read_text()[:40])
+    out = fake_run(broken.parent)
+    made["Data folder whose meta.json is not valid JSON"] = Case(
+        train_py(*small_args(broken, out)), {"data": str(broken)}, out
+    )
+
     out = fake_run(row("Negative lr"))
     made["Learning rate that is not a positive number"] = Case(
         train_py("--lr", "-1", *small_args(tiny_data, out)), {}, out
@@ -321,6 +341,8 @@ SINGLE_PROCESS_ROWS = [
     "MoE experts kernel chosen for a dense model",
     "Forced precision the device cannot run",
     "Learning rate that is not a positive number",
+    "Batch size of zero",
+    "Data folder whose meta.json is not valid JSON",
 ]
 LAUNCHER_ROWS = ["Corrupt checkpoint (truncated file)"]
 

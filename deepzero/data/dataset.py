@@ -45,7 +45,7 @@ def load_meta(data_dir: Path | str) -> dict[str, Any]:
     meta_path = d / META_FILE
     if not meta_path.is_file():
         raise UserError(str(meta_path), "missing, so the data folder was never prepared (or not finished)", fix)
-    meta = json.loads(meta_path.read_text())
+    meta = _read_meta(meta_path, fix)
     row_bytes = (meta["seq_len"] + 1) * np.dtype(meta["dtype"]).itemsize
     for split in SPLITS:
         n_rows = meta["n_rows"][split]
@@ -57,6 +57,27 @@ def load_meta(data_dir: Path | str) -> dict[str, Any]:
             if not path.is_file() or path.stat().st_size != size or size == 0:
                 found = path.stat().st_size if path.is_file() else "missing"
                 raise UserError(str(path), f"expected {size} bytes ({n_rows} rows), found {found}", fix)
+    return meta
+
+
+def _read_meta(meta_path: Path, fix: str) -> dict[str, Any]:
+    """meta.json as a dict with the keys training reads, or one line naming what is wrong with it."""
+    try:
+        meta = json.loads(meta_path.read_text())
+    except (json.JSONDecodeError, UnicodeDecodeError) as err:
+        raise UserError(str(meta_path), f"not valid JSON ({err})", fix) from None
+    problems = []
+    if not isinstance(meta, dict):
+        meta, problems = {}, ["top level is not a JSON object"]
+    if not (isinstance(meta.get("seq_len"), int) and meta["seq_len"] > 0):
+        problems.append(f"'seq_len' must be a positive integer, got {meta.get('seq_len')!r}")
+    if meta.get("dtype") not in ("uint16", "uint32"):
+        problems.append(f"'dtype' must be uint16 or uint32, got {meta.get('dtype')!r}")
+    rows = meta.get("n_rows")
+    if not (isinstance(rows, dict) and all(isinstance(rows.get(s), int) and rows[s] >= 0 for s in SPLITS)):
+        problems.append(f"'n_rows' must map {' and '.join(SPLITS)} to row counts, got {rows!r}")
+    if problems:
+        raise UserError(str(meta_path), "; ".join(problems), fix)
     return meta
 
 
