@@ -105,6 +105,27 @@ class TrainArgs:
             " The export merges them into a plain HF model."
         ),
     )
+    packing: Literal["documents", "stream"] = field(
+        default="documents",
+        **_help(
+            "documents: each packed document attends only to itself, its positions restarting at 0 (block-diagonal"
+            " causal attention built by Transformers from position_ids); stream: the whole row is one sequence."
+        ),
+    )
+    moe_balance: Literal["auto", "bias", "aux", "both", "off"] = field(
+        default="auto",
+        **_help(
+            "MoE load balancing: bias (DeepSeek-V3's auxiliary-loss-free routing bias), aux (a balance loss), both,"
+            " or off. auto follows the model family: V3 both (bias + sequence-wise loss), V2 aux, dense off."
+        ),
+    )
+    moe_bias_rate: float | None = field(
+        default=None, **_help("V3 bias update speed gamma per optimizer step (default 0.001; 0 freezes the bias).")
+    )
+    moe_aux_alpha: float | None = field(
+        default=None,
+        **_help("Balance-loss coefficient (default: the config's aux_loss_alpha; V3 sequence-wise 0.0001)."),
+    )
     local_rank: int = field(default=-1, **_help("Set by the deepspeed launcher."))
 
     @property

@@ -5,11 +5,13 @@ built before the first step."""
 from __future__ import annotations
 
 import contextlib
+import json
 import math
 import os
 import sys
 import time
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterable, Iterator
+from pathlib import Path
 from typing import Any
 
 import torch
@@ -27,6 +29,8 @@ from deepzero.preemption import StopRequest
 from deepzero.run import Run, setup
 
 ERROR_EXIT_GRACE_S = 5.0
+ROW_TRACE_ENV = "DEEPZERO_ROW_TRACE"
+"""A folder: every rank records the row ids of its micro-batches there (see ``traced_rows``)."""
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -63,8 +67,22 @@ def micro_batches(run: Run) -> Iterator[Batch]:
     sampler = GlobalBatchSampler(
         len(run.train_data), b.micro, b.accum, engine.dp_rank, engine.dp_size, run.args.seed, start_step=start
     )
-    loader = make_train_loader(run.train_data, sampler, num_workers=1, pin_memory=engine.device.type == "cuda")
+    trace = os.environ.get(ROW_TRACE_ENV)
+    rows = traced_rows(sampler, Path(trace), start, b.accum, engine.dp_rank) if trace else sampler
+    loader = make_train_loader(run.train_data, rows, num_workers=1, pin_memory=engine.device.type == "cuda")
     yield from to_device(iter(loader), engine.device)  # closing this generator (fit) stops the loader's worker
+
+
+def traced_rows(batches: Iterable[list[int]], folder: Path, start: int, accum: int, rank: int) -> Iterator[list[int]]:
+    """The sampler's micro-batches, each also appended to ``folder/rows.rank<r>.jsonl`` as ``{step, micro, rows}``
+    (``ROW_TRACE_ENV``; tests use it to check which rows each optimizer step trained on). The loader draws ahead,
+    so the file may list a step or two past the last one trained."""
+    folder.mkdir(parents=True, exist_ok=True)
+    with (folder / f"rows.rank{rank}.jsonl").open("a") as fh:
+        for i, rows in enumerate(batches):
+            fh.write(json.dumps({"step": start + i // accum, "micro": i % accum, "rows": rows}) + "\n")
+            fh.flush()
+            yield rows
 
 
 def fit(run: Run) -> None:
