@@ -83,7 +83,8 @@ def print_header(run: Run, model_name: str) -> None:
         f"lr: peak {cfg.ds['optimizer']['params']['lr']:g} from {run.lr_source}; scheduler {cfg.ds.get('scheduler', {}).get('type', 'none')}"
         f" {_sched_brief(cfg.ds)}",
         f"data: {run.args.data}  {len(run.train_data):,} train rows × {run.seq_len} tokens"
-        + (f", {len(run.val_data):,} val rows" if run.val_data is not None else ""),
+        + (f", {len(run.val_data):,} val rows" if run.val_data is not None else "")
+        + f"; packing {_PACKING[run.args.packing]}; loss: mean over the global batch's target tokens",
         f"FLOPs/token {run.flops_per_token:.3g}; MFU "
         + (
             f"against {run.peak_tflops} TFLOP/s per device"
@@ -94,6 +95,12 @@ def print_header(run: Run, model_name: str) -> None:
     if run.state.step:
         lines.append(f"resumed from step {run.state.step} ({run.state.tokens_seen:,} tokens seen)")
     print("\n".join(lines), flush=True)
+
+
+_PACKING = {
+    "documents": "documents (each attends to itself, positions restart)",
+    "stream": "stream (a row is one sequence)",
+}
 
 
 def _sched_brief(ds: dict[str, Any]) -> str:

@@ -123,7 +123,7 @@ def plan_run(args: TrainArgs, world: int) -> RunPlan:
             f"seq_len {seq_len} exceeds the model's max_position_embeddings {config.max_position_embeddings}",
             f"re-run data/prepare.py with --seq-len {config.max_position_embeddings} or less",
         )
-    train_data = PackedDataset(args.data, "train")
+    train_data = PackedDataset(args.data, "train", documents=args.packing == "documents")
     check_enough_rows(len(train_data), cfg.batch.global_batch, "train")
     val_data = usable_val_split(args, meta, cfg.batch)
     tokenizer = modeling.load_tokenizer(args.tokenizer or meta.get("tokenizer") or args.model, args.trust_remote_code)
@@ -146,7 +146,7 @@ def usable_val_split(args: TrainArgs, meta: dict[str, Any], batch: dsconfig.Batc
     """The val split, or None (with a warning) when it cannot fill one evaluation round."""
     if not meta["n_rows"].get("val"):
         return None
-    val_data = PackedDataset(args.data, "val")
+    val_data = PackedDataset(args.data, "val", documents=args.packing == "documents")
     if args.eval_interval and len(val_data) < batch.micro * batch.dp_size:
         warn(
             f"{args.data}: val split has {len(val_data)} rows, fewer than one eval round (micro {batch.micro}"

@@ -78,8 +78,9 @@ def test_stages_run_in_sequence_equal_the_hf_model(family: str, attn: str) -> No
 def test_pipeline_batches_feed_inputs_and_shifted_labels(tiny_data: Path) -> None:
     row = PackedDataset(tiny_data, "val")[0]
     batch = {k: v.unsqueeze(0) for k, v in row.items()}
-    ((inputs, labels),) = list(pipeline_batches([batch]))
+    (((inputs, positions), labels),) = list(pipeline_batches([batch]))
     assert torch.equal(inputs, batch["input_ids"]) and torch.equal(labels, batch["labels"])
+    assert positions.shape == inputs.shape and positions.dtype == torch.int64
     assert torch.equal(inputs[0, 1:], labels[0, :-1])
 
 

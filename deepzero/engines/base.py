@@ -10,6 +10,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
+from deepzero.data import IGNORE_INDEX
 from deepzero.export import ExportReport
 
 ModelFactory = Callable[[], nn.Module]
@@ -38,13 +39,14 @@ class TrainEngine(Protocol):
         ...
 
     def train_step(self, batches: Iterator[Batch]) -> torch.Tensor:
-        """One optimizer step over ``gradient_accumulation_steps`` micro-batches from ``batches``; this rank's mean
-        micro-batch loss, left on ``device`` (reading it waits for the device)."""
+        """One optimizer step over ``gradient_accumulation_steps`` micro-batches from ``batches``, its gradient that of
+        the mean cross-entropy over the global batch's target tokens (``loss_normalizer``); this rank's share of that
+        mean × data-parallel size (so the mean over ranks is the global token mean), left on ``device``."""
         ...
 
     def eval_loss(self, batches: Iterator[Batch], micro_batches: int) -> float:
-        """Mean loss over ``micro_batches`` micro-batches per data-parallel rank, the same on every rank (a
-        collective: every rank calls it)."""
+        """Token-weighted mean loss over ``micro_batches`` micro-batches per data-parallel rank, the same on every
+        rank (a collective: every rank calls it)."""
         ...
 
     def save_checkpoint(self, save_dir: str, tag: str, client_state: dict[str, Any], save_latest: bool = False) -> None:
@@ -124,14 +126,49 @@ class DeepSpeedBacked:
         return float(getattr(optimizer, "loss_scale", getattr(optimizer, "cur_scale", 0)))
 
 
+def draw(batches: Iterator[Batch], count: int) -> list[Batch]:
+    """The next ``count`` micro-batches: a step's whole share is drawn first, to count its targets."""
+    return [next(batches) for _ in range(count)]
+
+
+def target_count(batches: list[Batch]) -> torch.Tensor:
+    """Target tokens (labels not ignored) in ``batches``, a float on their device."""
+    return sum((b["labels"] != IGNORE_INDEX).sum().float() for b in batches)
+
+
+def loss_normalizer(micro: list[Batch], dp_size: int, group: Any = None) -> torch.Tensor:
+    """What each micro-batch's summed cross-entropy is divided by, so that the step's gradient is that of the mean
+    over every target token of the global batch, however it is cut into micro-batches, accumulation steps and ranks.
+
+    The engines average gradients over ``len(micro)`` accumulation steps and ``dp_size`` ranks, so each micro-batch
+    loss is ``sum · len(micro) · dp_size / N`` with N the global target count (one all-reduce per step, on the
+    device). Transformers' loss takes it as ``num_items_in_batch`` (``reduction="sum"`` divided by it). A step with
+    no target at all gives 0 loss and zero gradients.
+    """
+    total = target_count(micro)
+    if dist.is_initialized() and dp_size > 1:
+        dist.all_reduce(total, group=group)
+    return total.clamp(min=1) / (len(micro) * dp_size)
+
+
+def lm_loss(model: Any, batch: Batch, normalizer: torch.Tensor) -> torch.Tensor:
+    """The causal-LM loss ``sum of cross-entropy / normalizer`` of one micro-batch.
+
+    ``use_cache=False``: with a cache Transformers ignores ``position_ids`` when it builds the mask, so packed
+    documents would attend to each other; without one it builds a block-diagonal causal mask from them.
+    """
+    return model(**batch, num_items_in_batch=normalizer, use_cache=False).loss
+
+
 @torch.no_grad()
 def mean_eval_loss(engine: Any, batches: Iterator[Batch]) -> float:
-    """Mean over micro-batches of ``engine(**batch).loss`` in eval mode, averaged over every rank."""
+    """Token-weighted mean loss over ``batches`` in eval mode, over every rank: summed cross-entropy / targets."""
     engine.eval()
     total = torch.zeros(2, device=engine.device)
+    one = torch.ones((), device=engine.device)
     for batch in batches:
-        total[0] += engine(**batch).loss.float().to(total.device)
-        total[1] += 1
+        total[0] += lm_loss(engine, batch, one).float().to(total.device)
+        total[1] += target_count([batch]).to(total.device)
     engine.train()
     if dist.is_initialized():
         dist.all_reduce(total)

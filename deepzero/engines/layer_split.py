@@ -16,7 +16,7 @@ import torch
 from deepspeed.runtime import lr_schedules
 
 from deepzero.dsconfig import BatchMath
-from deepzero.engines.base import Batch, ModelFactory, mean_eval_loss
+from deepzero.engines.base import Batch, ModelFactory, draw, lm_loss, loss_normalizer, mean_eval_loss
 from deepzero.errors import UserError
 from deepzero.export import ExportReport, export_hf
 from deepzero.placement import Placement, apply_placement, format_placement, plan_placement, torch_device
@@ -88,9 +88,11 @@ class LayerSplitEngine:
         return f"  layer split over {len(self.placement.cards)} cards"
 
     def train_step(self, batches: Iterator[Batch]) -> torch.Tensor:
+        micro = draw(batches, self.accum)
+        normalizer = loss_normalizer(micro, dp_size=1)
         total = torch.zeros((), device=self.device)
-        for _ in range(self.accum):
-            loss = self(**next(batches)).loss
+        for batch in micro:
+            loss = lm_loss(self, batch, normalizer)
             (loss / self.accum).backward()
             total += loss.detach().float().to(self.device)
         self._optimizer_step()
@@ -122,8 +124,9 @@ class LayerSplitEngine:
     def eval(self) -> None:
         self.model.eval()
 
-    def __call__(self, **batch: torch.Tensor) -> Any:
-        return self.model(**{k: v.to(self.first_device) for k, v in batch.items()})
+    def __call__(self, **inputs: Any) -> Any:
+        """The model on ``inputs``, their tensors moved to the first card (the loss comes back from the last)."""
+        return self.model(**{k: v.to(self.first_device) if torch.is_tensor(v) else v for k, v in inputs.items()})
 
     @torch.no_grad()
     def _optimizer_step(self) -> None:

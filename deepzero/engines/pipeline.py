@@ -2,20 +2,23 @@
 
 The causal LM becomes a flat list of stages that pass one tensor, the hidden states ``[B, S, H]``, between ranks::
 
-    EmbeddingStage(input_ids) → DecoderStage × num_hidden_layers → HeadStage → logits;  loss_fn(logits, labels)
+    EmbeddingStage(input_ids, position_ids) → DecoderStage × num_hidden_layers → HeadStage → logits;
+    loss_fn(logits, labels)
 
-Each ``DecoderStage`` rebuilds what ``XxxModel.forward`` shares across layers: ``position_ids = arange(S)``, the
-rotary ``(cos, sin)`` from its own reference to ``model.model.rotary_emb`` (kept in fp32, outside the engine's
-bf16/fp16 cast, like ``from_pretrained`` keeps it) and the causal mask from ``create_causal_mask`` (``None`` for sdpa,
-which then runs with ``is_causal``; a 4-D mask for eager). Packed rows carry no padding, so nothing else is needed.
+Between stages travels ``(hidden [B, S, H], position_ids [B, S])``: the positions restart at every packed document.
+Each ``DecoderStage`` rebuilds what ``XxxModel.forward`` shares across layers from them: the rotary ``(cos, sin)``
+from its own reference to ``model.model.rotary_emb`` (kept in fp32, outside the engine's bf16/fp16 cast, like
+``from_pretrained`` keeps it) and the mask from ``create_causal_mask`` — block-diagonal causal when the positions
+restart (Transformers finds the documents from them), else ``None`` for sdpa (``is_causal``) or a causal 4-D mask.
 
 The stages hold the HF modules themselves, so every parameter keeps a 1:1 HF name: ``build_name_map`` records
 ``"<layer index>.<name in stage>" → "<HF name>"`` before ``deepspeed.initialize`` and ``export_pipeline_hf`` uses it
 to write a ``save_pretrained`` folder from the stage-sharded engine.
 
-Data: ``engine.train_batch(it)`` pulls ``gradient_accumulation_steps`` items ``(input_ids, labels)`` per call, but only
-the first stage (inputs) and the last stage (labels) read them. Give every rank the same iterator over the same
-micro-batches (sampler rank = data-parallel id, world = data-parallel size); middle stages never advance it.
+Data: ``engine.train_batch(it)`` pulls ``gradient_accumulation_steps`` items ``((input_ids, position_ids), labels)``
+per call; only the first stage (inputs) and the last stage (labels) read them. Every rank gets the same micro-batches
+(sampler rank = data-parallel id, world = data-parallel size) and draws a whole step's first, to count its targets:
+``TokenMeanLoss`` divides by the global target count, so the gradient is the token mean over the global batch.
 
 Memory: every rank builds the whole HF model on the host once; ``PipelineModule`` moves only its own stages to the
 device and only those are trained. Models that do not fit in host memory per rank need per-stage construction.
@@ -35,7 +38,7 @@ from torch import nn
 
 from deepzero.data import IGNORE_INDEX
 from deepzero.dsconfig import BatchMath
-from deepzero.engines.base import Batch, DeepSpeedBacked, ModelFactory
+from deepzero.engines.base import Batch, DeepSpeedBacked, ModelFactory, draw, loss_normalizer
 from deepzero.errors import UserError
 from deepzero.export import ExportReport, attn_implementation_of, publish_and_compare
 
@@ -106,8 +109,9 @@ class EmbeddingStage(nn.Module):
         super().__init__()
         self.embed_tokens = embed_tokens
 
-    def forward(self, input_ids: torch.Tensor) -> torch.Tensor:
-        return self.embed_tokens(input_ids)
+    def forward(self, inputs: tuple[torch.Tensor, torch.Tensor]) -> tuple[torch.Tensor, torch.Tensor]:
+        input_ids, position_ids = inputs
+        return self.embed_tokens(input_ids), position_ids
 
 
 class DecoderStage(nn.Module):
@@ -122,13 +126,13 @@ class DecoderStage(nn.Module):
         self._config = config
         self._sliding = layer_type == "sliding_attention"
 
-    def forward(self, hidden: torch.Tensor) -> torch.Tensor:
+    def forward(self, inputs: tuple[torch.Tensor, torch.Tensor]) -> tuple[torch.Tensor, torch.Tensor]:
         from transformers.masking_utils import create_causal_mask, create_sliding_window_causal_mask
 
+        hidden, position_ids = inputs
         rotary = self._rotary[0]
         if rotary.inv_freq.device != hidden.device:
             rotary.to(hidden.device)  # moves buffers only; their dtype (fp32) is kept
-        position_ids = torch.arange(hidden.shape[1], device=hidden.device).unsqueeze(0)
         make_mask = create_sliding_window_causal_mask if self._sliding else create_causal_mask
         mask = make_mask(
             config=self._config, inputs_embeds=hidden, attention_mask=None, cache=None, position_ids=position_ids
@@ -136,7 +140,7 @@ class DecoderStage(nn.Module):
         out = self.layer(
             hidden, attention_mask=mask, position_ids=position_ids, position_embeddings=rotary(hidden, position_ids)
         )
-        return out[0] if isinstance(out, tuple) else out
+        return (out[0] if isinstance(out, tuple) else out), position_ids
 
 
 class HeadStage(nn.Module):
@@ -147,15 +151,27 @@ class HeadStage(nn.Module):
         self.norm = norm
         self.lm_head = lm_head
 
-    def forward(self, hidden: torch.Tensor) -> torch.Tensor:
-        return self.lm_head(self.norm(hidden))
+    def forward(self, inputs: tuple[torch.Tensor, torch.Tensor]) -> torch.Tensor:
+        return self.lm_head(self.norm(inputs[0]))
 
 
-def causal_lm_loss(logits: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
-    """Mean cross-entropy over non-ignored targets; ``labels`` are already shifted (HF's ``shift_labels`` path)."""
-    return F.cross_entropy(
-        logits.float().reshape(-1, logits.shape[-1]), labels.reshape(-1).to(logits.device), ignore_index=IGNORE_INDEX
-    )
+class TokenMeanLoss:
+    """The pipeline's loss: summed cross-entropy over non-ignored targets divided by ``normalizer`` (the mean over
+    the micro-batch's targets while it is None). ``labels`` are already shifted (HF's ``shift_labels`` path)."""
+
+    def __init__(self) -> None:
+        self.normalizer: torch.Tensor | None = None
+
+    def __call__(self, logits: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
+        flat_logits, flat_labels = logits.float().reshape(-1, logits.shape[-1]), labels.reshape(-1).to(logits.device)
+        if self.normalizer is None:
+            return F.cross_entropy(flat_logits, flat_labels, ignore_index=IGNORE_INDEX)
+        summed = F.cross_entropy(flat_logits, flat_labels, ignore_index=IGNORE_INDEX, reduction="sum")
+        return summed / self.normalizer.to(summed.device)
+
+
+causal_lm_loss = TokenMeanLoss()
+"""The micro-batch mean (no normalizer): for checks against a Hugging Face model's own loss."""
 
 
 def to_pipeline_layers(model: nn.Module) -> list[nn.Module]:
@@ -196,9 +212,11 @@ def build_name_map(model: nn.Module, layers: list[nn.Module]) -> dict[str, str]:
     return name_map
 
 
-def sequential_forward(layers: Iterable[nn.Module], input_ids: torch.Tensor) -> torch.Tensor:
+def sequential_forward(
+    layers: Iterable[nn.Module], input_ids: torch.Tensor, position_ids: torch.Tensor | None = None
+) -> torch.Tensor:
     """Run the stages one after another in this process (no DeepSpeed): logits for checks and debugging."""
-    x = input_ids
+    x: Any = (input_ids, positions_of(input_ids, position_ids))
     for layer in layers:
         x = layer(x)
     return x
@@ -225,7 +243,7 @@ def build_pipeline_engine(
     module = PipelineModule(
         layers=layers,
         num_stages=num_stages,
-        loss_fn=causal_lm_loss,
+        loss_fn=TokenMeanLoss(),
         partition_method=partition_method,
         activation_checkpoint_interval=activation_checkpoint_interval,
         checkpointable_layers=["DecoderStage"],
@@ -235,16 +253,26 @@ def build_pipeline_engine(
     return engine, name_map
 
 
-def pipeline_batches(batches: Iterable[dict[str, torch.Tensor]]) -> Iterator[tuple[torch.Tensor, torch.Tensor]]:
-    """PackedDataset dict batches → the ``(inputs, labels)`` pairs ``train_batch``/``eval_batch`` expect."""
+PipeItem = tuple[tuple[torch.Tensor, torch.Tensor], torch.Tensor]
+"""``((input_ids, position_ids), labels)``: one micro-batch as ``train_batch``/``eval_batch`` take it."""
+
+
+def positions_of(input_ids: torch.Tensor, position_ids: torch.Tensor | None) -> torch.Tensor:
+    """``position_ids`` of a batch, ``0 .. S-1`` on every row when it has none (one sequence per row)."""
+    if position_ids is not None:
+        return position_ids
+    return torch.arange(input_ids.shape[1], device=input_ids.device).expand_as(input_ids).contiguous()
+
+
+def pipeline_batches(batches: Iterable[dict[str, torch.Tensor]]) -> Iterator[PipeItem]:
+    """PackedDataset dict batches → the ``((input_ids, position_ids), labels)`` items the pipeline engine takes."""
     for batch in batches:
-        yield batch["input_ids"], batch["labels"]
+        ids = batch["input_ids"]
+        yield (ids, positions_of(ids, batch.get("position_ids"))), batch["labels"]
 
 
 @torch.no_grad()
-def eval_step(
-    engine: Any, data_iter: Iterator[tuple[torch.Tensor, torch.Tensor]], num_micro_batches: int | None = None
-) -> float:
+def eval_step(engine: Any, data_iter: Iterator[PipeItem], num_micro_batches: int | None = None) -> float:
     """Mean loss over ``num_micro_batches`` (default: gradient_accumulation_steps) micro-batches, on every rank.
 
     Eval micro-batches may be shaped differently from training ones (same shape within one call): the cached
@@ -283,10 +311,12 @@ def gather_hf_state_dict(engine: Any, name_map: dict[str, str]) -> dict[str, tor
 
 
 @torch.no_grad()
-def pipeline_logits(engine: Any, input_ids: torch.Tensor, labels: torch.Tensor) -> tuple[float, torch.Tensor]:
+def pipeline_logits(engine: Any, batch: Batch) -> tuple[float, torch.Tensor]:
     """Loss and fp32 CPU logits of one micro-batch through the pipeline, on every rank (a collective)."""
     engine.reset_activation_shape()
-    loss, logits = engine.eval_batch(iter([(input_ids, labels)]), return_logits=True, num_micro_batches=1)
+    engine.module.loss_fn.normalizer = None
+    items = pipeline_batches([batch])
+    loss, logits = engine.eval_batch(items, return_logits=True, num_micro_batches=1)
     engine.reset_activation_shape()
     box = [logits.float().cpu() if engine.is_last_stage() else None]
     dist.broadcast_object_list(box, src=engine.grid.stage_to_global(engine.num_stages - 1))
@@ -307,7 +337,7 @@ def export_pipeline_hf(
     ``model`` is the HF model the stages were built from (only its config and class are used). Every rank must
     call this; rank 0 returns the report, the others None.
     """
-    _, engine_logits = pipeline_logits(engine, probe["input_ids"], probe["labels"])
+    _, engine_logits = pipeline_logits(engine, probe)
     state_dict = gather_hf_state_dict(engine, name_map)
     report = None
     if state_dict is not None:
@@ -345,11 +375,21 @@ class PipelineEngine(DeepSpeedBacked):
         return f"  pipeline {self.engine.num_stages} stages × data-parallel {self.dp_size}"
 
     def train_step(self, batches: Iterator[Batch]) -> torch.Tensor:
-        """The schedule's mean micro-batch loss, the same on every rank; first and last stages draw the batches."""
-        return self.engine.train_batch(pipeline_batches(batches)).detach().float()
+        """One 1F1B schedule over a step's micro-batches; the global token-mean loss, the same on every rank."""
+        micro = draw(batches, self.engine.gradient_accumulation_steps())
+        self._normalize_by(micro)
+        return self.engine.train_batch(pipeline_batches(micro)).detach().float()
 
     def eval_loss(self, batches: Iterator[Batch], micro_batches: int) -> float:
-        return eval_step(self.engine, pipeline_batches(batches), num_micro_batches=micro_batches)
+        micro = draw(batches, micro_batches)
+        self._normalize_by(micro)
+        return eval_step(self.engine, pipeline_batches(micro), num_micro_batches=micro_batches)
+
+    def _normalize_by(self, micro: list[Batch]) -> None:
+        """The engine averages micro-batch losses over the schedule and the data-parallel replicas: dividing each
+        summed loss by ``loss_normalizer`` makes that average the token mean over all of ``micro`` on every replica."""
+        group = self.engine.grid.get_data_parallel_group()
+        self.engine.module.loss_fn.normalizer = loss_normalizer(micro, self.dp_size, group)
 
     def export(self, tokenizer: Any, out_dir: Path, probe: Batch) -> ExportReport | None:
         return export_pipeline_hf(self.engine, self.name_map, self.model, tokenizer, out_dir, probe)

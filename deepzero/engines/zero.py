@@ -20,7 +20,7 @@ from torch import nn
 
 from deepzero import modeling
 from deepzero.dsconfig import BatchMath
-from deepzero.engines.base import Batch, DeepSpeedBacked, ModelFactory, mean_eval_loss
+from deepzero.engines.base import Batch, DeepSpeedBacked, ModelFactory, draw, lm_loss, loss_normalizer, mean_eval_loss
 from deepzero.export import ExportReport, export_hf
 from deepzero.lora import LoraSpec, apply_lora, export_lora_hf
 
@@ -74,14 +74,15 @@ class ZeroEngine(DeepSpeedBacked):
 
     def train_step(self, batches: Iterator[Batch]) -> torch.Tensor:
         engine = self.engine
-        accum = engine.gradient_accumulation_steps()
+        micro = draw(batches, engine.gradient_accumulation_steps())
+        normalizer = loss_normalizer(micro, self.dp_size)
         total = torch.zeros((), device=self.device)
-        for _ in range(accum):
-            loss = engine(**next(batches)).loss
-            engine.backward(loss)
+        for batch in micro:
+            loss = lm_loss(engine, batch, normalizer)
+            engine.backward(loss)  # divides by the accumulation steps; ranks' gradients are averaged
             engine.step()
             total += loss.detach().float()
-        return total / accum
+        return total / len(micro)
 
     def eval_loss(self, batches: Iterator[Batch], micro_batches: int) -> float:
         return mean_eval_loss(self.engine, batches)
