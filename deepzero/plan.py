@@ -643,6 +643,30 @@ def _recommendation_line(what: str, rec: Recommendation | None, gpu_mem_gb: floa
     )
 
 
+def _fit_cell(rec: Recommendation | None, full: bool) -> str:
+    if rec is None:
+        return "does not fit"
+    ckpt = " + checkpointing" if rec.setup.checkpointing else ""
+    where = f"{_gib(rec.estimate.gpu_total)} GiB/card, host {_gib(rec.estimate.host)} GiB" if full else ""
+    return f"`{rec.preset}`{ckpt}, micro {rec.micro_batch}" + (f" ({where})" if where else "")
+
+
+def fit_table(world_size: int, gpu_mem_gb: float, cpu_mem_gb: float, seq_len: int, lora_rank: int = LORA_RANK) -> str:
+    """README's "which preset fits" table: one row per preset naming a checkpoint, from ``recommend``."""
+    from deepzero.presets import PRESETS
+
+    gpu_mem, cpu_mem = gpu_mem_gb * GiB, cpu_mem_gb * GiB
+    rows = ["| model | full fine-tune | LoRA r16 |", "|---|---|---|"]
+    for name, preset in PRESETS.items():
+        if preset.hub_id is None:
+            continue
+        stats = model_stats(preset.config(), name)
+        full = recommend(stats, world_size, seq_len, gpu_mem, cpu_mem)
+        lora = recommend(stats, world_size, seq_len, gpu_mem, cpu_mem, lora_rank=lora_rank)
+        rows.append(f"| {name} | {_fit_cell(full, True)} | {_fit_cell(lora, False)} |")
+    return "\n".join(rows)
+
+
 # ---------------------------------------------------------------------------------------- train.py hook
 
 
@@ -732,7 +756,8 @@ def check_fit(
 
 def main(argv: Sequence[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="python -m deepzero.plan", description=__doc__.splitlines()[0])
-    parser.add_argument("--model", required=True, help="preset name, local folder with config.json, or hub id")
+    parser.add_argument("--model", help="preset name, local folder with config.json, or hub id")
+    parser.add_argument("--fit-table", action="store_true", help="README table: the recommendation for every preset")
     parser.add_argument("--gpus", type=int, default=3, help="data-parallel ranks (cards)")
     parser.add_argument("--gpu-mem", type=float, default=24.0, help="GiB per card (an RTX 4090 has 24)")
     parser.add_argument("--cpu-mem", type=float, default=128.0, help="host RAM in GiB, whole machine")
@@ -744,6 +769,12 @@ def main(argv: Sequence[str] | None = None) -> int:
         if value < 1:
             print(f"error: {flag} {value}: must be at least 1. Fix: pass a positive number", file=sys.stderr)
             return 2
+    if args.fit_table:
+        print(fit_table(args.gpus, args.gpu_mem, args.cpu_mem, args.seq_len, args.lora_rank))
+        return 0
+    if args.model is None:
+        print("error: --model: missing. Fix: pass --model NAME (or --fit-table)", file=sys.stderr)
+        return 2
     try:
         name, config = planning_config(args.model)
         stats = model_stats(config, name)

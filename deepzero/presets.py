@@ -1,14 +1,17 @@
 """Named model presets: tiny random models built with ``from_config``, and the real DeepSeek checkpoints.
 
-Each preset carries the architecture of its checkpoint (copied from the checkpoint's ``config.json``), so
-the memory planner and the FLOP counter can size it without downloading anything. Presets with a
-``hub_id`` are loaded with ``from_pretrained(hub_id)``; presets without one are built with ``from_config``
-and random weights.
+A preset with a ``hub_id`` is a short name for that checkpoint: its weights load with the checkpoint's own
+config.json (``modeling.build_model``). For offline planning (plan, placement, FLOPs) the preset's architecture is
+read from the checkpoint's published config.json kept in ``deepzero/published/`` (sources in its SOURCES.md).
+Presets whose published config could not be found keep a restated architecture and say ``verified=False``.
+Presets without a hub id are built with ``from_config`` and random weights.
 """
 
 from __future__ import annotations
 
+import json
 from dataclasses import dataclass, field
+from pathlib import Path
 from typing import Any
 
 from transformers import AutoConfig, PretrainedConfig
@@ -31,10 +34,37 @@ class ModelPreset:
     """Peak lr for training this random-init preset from scratch; used unless --lr is given (the ds_configs lr
     of 3e-5 is a fine-tuning lr for real checkpoints and barely moves a random model)."""
     pretrain_warmup_steps: int | None = None
+    verified: bool = False
+    """True when ``arch`` is read from the checkpoint's published config.json in deepzero/published/."""
 
     def config(self, **overrides: Any) -> PretrainedConfig:
         """A Transformers config for this architecture (no weights, no download)."""
         return AutoConfig.for_model(self.model_type, **{**self.arch, **overrides})
+
+
+PUBLISHED_DIR = Path(__file__).resolve().parent / "published"
+LOADER_KEYS = ("architectures", "auto_map", "torch_dtype", "transformers_version", "_name_or_path", "model_type")
+"""Keys of a config.json that say how to load a checkpoint, not what its architecture is."""
+
+
+def published_path(hub_id: str) -> Path:
+    """Where the published config.json of ``hub_id`` is kept: deepzero/published/<org>--<name>.json."""
+    return PUBLISHED_DIR / f"{hub_id.replace('/', '--')}.json"
+
+
+def published_config(hub_id: str) -> dict[str, Any] | None:
+    """The checkpoint's published config.json as a dict, or None when the repository does not keep it."""
+    path = published_path(hub_id)
+    return json.loads(path.read_text()) if path.is_file() else None
+
+
+def _published(name: str, hub_id: str, about: str) -> ModelPreset:
+    """A preset whose architecture is the checkpoint's published config.json (all keys but the loader's)."""
+    data = published_config(hub_id)
+    if data is None:
+        raise FileNotFoundError(f"{published_path(hub_id)}: preset {name} names a published config that is missing")
+    arch = {k: v for k, v in data.items() if k not in LOADER_KEYS}
+    return ModelPreset(name, data["model_type"], arch, hub_id=hub_id, about=about, verified=True)
 
 
 _TINY_V3 = dict(
@@ -97,11 +127,17 @@ PRESETS: dict[str, ModelPreset] = {
                 vocab_size=32256,
                 max_position_embeddings=16384,
                 rope_theta=100000.0,
+                rope_scaling={"type": "linear", "factor": 4.0},  # stated in issue 13; config.json not verified
                 rms_norm_eps=1e-6,
                 tie_word_embeddings=False,
             ),
             hub_id="deepseek-ai/deepseek-coder-1.3b-base",
-            about="dense Llama-arch code model, 1.35B params",
+            about="dense Llama-arch code model, 1.35B params (config not verified)",
+        ),
+        _published(
+            "deepseek-coder-1.3b-instruct",
+            "deepseek-ai/deepseek-coder-1.3b-instruct",
+            "dense Llama-arch code model, instruction-tuned, 1.35B params",
         ),
         ModelPreset(
             "deepseek-llm-7b",
@@ -118,25 +154,12 @@ PRESETS: dict[str, ModelPreset] = {
                 tie_word_embeddings=False,
             ),
             hub_id="deepseek-ai/deepseek-llm-7b-base",
-            about="dense Llama-arch base model, 6.9B params",
+            about="dense Llama-arch base model, 6.9B params (config not verified)",
         ),
-        ModelPreset(
+        _published(
             "deepseek-r1-distill-qwen-1.5b",
-            "qwen2",
-            dict(
-                hidden_size=1536,
-                intermediate_size=8960,
-                num_hidden_layers=28,
-                num_attention_heads=12,
-                num_key_value_heads=2,
-                vocab_size=151936,
-                max_position_embeddings=131072,
-                rope_theta=10000.0,
-                rms_norm_eps=1e-6,
-                tie_word_embeddings=False,
-            ),
-            hub_id="deepseek-ai/DeepSeek-R1-Distill-Qwen-1.5B",
-            about="dense Qwen2-arch reasoning distill, 1.78B params",
+            "deepseek-ai/DeepSeek-R1-Distill-Qwen-1.5B",
+            "dense Qwen2-arch reasoning distill, 1.78B params",
         ),
         ModelPreset(
             "deepseek-r1-distill-qwen-7b",
@@ -154,7 +177,7 @@ PRESETS: dict[str, ModelPreset] = {
                 tie_word_embeddings=False,
             ),
             hub_id="deepseek-ai/DeepSeek-R1-Distill-Qwen-7B",
-            about="dense Qwen2-arch reasoning distill, 7.6B params",
+            about="dense Qwen2-arch reasoning distill, 7.6B params (config not verified)",
         ),
         ModelPreset(
             "deepseek-v2-lite",
@@ -178,11 +201,25 @@ PRESETS: dict[str, ModelPreset] = {
                 topk_method="greedy",
                 vocab_size=102400,
                 max_position_embeddings=163840,
+                rope_scaling={  # stated in issue 13; config.json not verified
+                    "type": "yarn",
+                    "factor": 40,
+                    "mscale": 0.707,
+                    "mscale_all_dim": 0.707,
+                    "original_max_position_embeddings": 4096,
+                    "beta_fast": 32,
+                    "beta_slow": 1,
+                },
                 rms_norm_eps=1e-6,
                 tie_word_embeddings=False,
             ),
             hub_id="deepseek-ai/DeepSeek-V2-Lite",
-            about="MoE with MLA, 15.7B total / 2.4B active params",
+            about="MoE with MLA, 15.7B total / 2.4B active params (config not verified)",
+        ),
+        _published(
+            "deepseek-v2-lite-chat",
+            "deepseek-ai/DeepSeek-V2-Lite-Chat",
+            "MoE with MLA, chat-tuned V2-Lite, 15.7B total / 2.4B active params",
         ),
         ModelPreset(
             "deepseek-v3",
@@ -211,7 +248,7 @@ PRESETS: dict[str, ModelPreset] = {
                 tie_word_embeddings=False,
             ),
             hub_id="deepseek-ai/DeepSeek-V3",
-            about="MoE with MLA, 671B total / 37B active params (plan only: far beyond 3x24 GB)",
+            about="MoE with MLA, 671B total / 37B active params (plan only: far beyond 3x24 GB; config not verified)",
         ),
     ]
 }
