@@ -89,3 +89,19 @@ def test_the_layer_split_masks_documents_too() -> None:
     logits = engine(**packed(docs), use_cache=False).logits
     expected = separate_logits(lambda d: engine(input_ids=d, use_cache=False).logits, docs)
     assert torch.allclose(logits.cpu(), expected.cpu(), atol=ATOL), (logits.cpu() - expected.cpu()).abs().max()
+
+
+def test_a_micro_batch_without_targets_is_harmless() -> None:
+    """A chat row can hold no assistant token: its micro-batch adds 0 to the loss and nothing to the gradient
+    (a per-micro-batch mean would be 0/0 = NaN there)."""
+    model, docs = model_of("llama", "sdpa"), documents(3)
+    empty = {**packed(docs), "labels": torch.full((1, sum(LENGTHS)), -100)}
+    empty["shift_labels"] = empty["labels"]
+    full = packed(docs)
+    normalizer = loss_normalizer([empty, full], dp_size=1)
+    assert normalizer.item() == sum(n - 1 for n in LENGTHS) / 2
+    loss = lm_loss(model.train(), empty, normalizer)
+    loss.backward()
+    assert loss.item() == 0.0
+    assert all(p.grad is None or not p.grad.any() for p in model.parameters())
+    assert torch.isfinite(lm_loss(model, full, normalizer))
