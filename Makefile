@@ -12,7 +12,7 @@ OUT       ?= runs/default
 TRAIN_ARGS ?=
 PYTEST_ARGS ?=
 
-.PHONY: setup data train test lint plan doctor plot bench bench-gpu clean
+.PHONY: setup data train sft test lint plan doctor plot bench bench-gpu clean
 
 setup: $(VENV)/.installed
 
@@ -30,6 +30,21 @@ data: setup
 train: data
 	PATH="$(CURDIR)/$(BIN):$$PATH" deepspeed --num_gpus=$(NUM_GPUS) train.py \
 		--deepspeed_config $(DS_CONFIG) --data $(DATA) --out $(OUT) $(TRAIN_ARGS)
+
+# Chat SFT example (docs/sft.md): Q&A chats from the stdlib's docstrings, DeepSeek's tokenizer and chat template
+# (SFT_TOKENIZER=train: a BPE trained here instead), document-masked packing, assistant-only targets, ZeRO-2.
+SFT_DATA      ?= artifacts/data/sft_example
+SFT_TOKENIZER ?= artifacts/tokenizers/deepseek
+SFT_OUT       ?= runs/sft
+SFT_ARGS      ?= --max-steps 40 --warmup-steps 4 --micro-batch 2 --grad-accum 1 --log-interval 2 \
+	--eval-interval 20 --eval-batches 1 --save-interval 0
+sft: setup
+	$(BIN)/python data/sft_example.py --out $(SFT_DATA).jsonl
+	$(BIN)/python data/tokenizer.py deepseek --out artifacts/tokenizers/deepseek
+	$(BIN)/python data/prepare.py --input $(SFT_DATA).jsonl --format chat --tokenizer $(SFT_TOKENIZER) \
+		--seq-len $(SEQ_LEN) --val-fraction 0.05 --out $(SFT_DATA)
+	PATH="$(CURDIR)/$(BIN):$$PATH" deepspeed --num_gpus=$(NUM_GPUS) train.py \
+		--deepspeed_config $(DS_CONFIG) --data $(SFT_DATA) --out $(SFT_OUT) $(SFT_ARGS)
 
 test: setup
 	$(BIN)/python -m pytest $(PYTEST_ARGS) tests; rc=$$?; \

