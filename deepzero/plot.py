@@ -3,8 +3,11 @@
     python -m deepzero.plot runs/default/metrics.jsonl                    # writes runs/default/curves.png
     python -m deepzero.plot runs/default/metrics.jsonl -o /tmp/curves.png
 
-Left: train loss (one point per log window) and validation loss against the optimizer step. Right: tokens/s
+Left: train loss (one point per log window) and validation loss against the optimizer step. Middle: tokens/s
 against the step; the first log window, which includes warm-up, is drawn hollow and left out of the median line.
+For MoE runs (train records with ``expert_load``), two more panels: ``expert_load_imbalance`` (max/mean tokens per
+expert) against the step, and the last log window's tokens per expert relative to the layer's mean as a heatmap,
+one row per MoE layer (1 = balanced).
 """
 
 from __future__ import annotations
@@ -41,6 +44,7 @@ def plot(metrics: str | Path, out: str | Path | None = None) -> Path:
         raise UserError(str(metrics), "has no train records with a loss", "train for at least --log-interval steps")
     val_steps, val_loss = _series(records, "eval", "val_loss")
     tps_steps, tps = _series(records, "train", "tokens_per_s")
+    loads = [r for r in records if r.get("kind") == "train" and r.get("expert_load")]
     out = Path(out) if out is not None else metrics.with_name("curves.png")
 
     import matplotlib
@@ -48,7 +52,8 @@ def plot(metrics: str | Path, out: str | Path | None = None) -> Path:
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    fig, (ax_loss, ax_tps) = plt.subplots(1, 2, figsize=(11, 4), constrained_layout=True)
+    fig, axes = plt.subplots(1, 4 if loads else 2, figsize=(21 if loads else 11, 4), constrained_layout=True)
+    ax_loss, ax_tps = axes[0], axes[1]
     ax_loss.plot(steps, loss, marker=".", label="train")
     if val_steps:
         ax_loss.plot(val_steps, val_loss, marker="o", linestyle="--", label="val")
@@ -65,11 +70,31 @@ def plot(metrics: str | Path, out: str | Path | None = None) -> Path:
         ax_tps.legend()
     ax_tps.set(xlabel="optimizer step", ylabel="tokens/s (all ranks)", title="Throughput")
     ax_tps.grid(alpha=0.3)
+    if loads:
+        _expert_panels(fig, axes[2], axes[3], loads, _series(records, "train", "expert_load_imbalance"))
     fig.suptitle(str(metrics.parent.name or metrics))
     out.parent.mkdir(parents=True, exist_ok=True)
     fig.savefig(out, dpi=100)
     plt.close(fig)
     return out
+
+
+def _expert_panels(
+    fig: Any, ax_curve: Any, ax_map: Any, loads: list[dict[str, Any]], imbalance: tuple[list[int], list[float]]
+) -> None:
+    """The imbalance curve, and the last window's per-layer expert loads (relative to the layer's mean)."""
+    steps, values = imbalance
+    ax_curve.plot(steps, values, marker=".", color="tab:red", label="max / mean tokens per expert")
+    ax_curve.axhline(1.0, color="gray", linestyle=":", label="balanced")
+    ax_curve.set(xlabel="optimizer step", ylabel="expert load imbalance", title="Router balance (mean of layers)")
+    ax_curve.grid(alpha=0.3)
+    ax_curve.legend()
+    last = loads[-1]
+    rows = last["expert_load"]
+    image = ax_map.imshow(rows, aspect="auto", cmap="viridis", vmin=0.0, interpolation="nearest")
+    fig.colorbar(image, ax=ax_map, label="tokens / layer mean")
+    ax_map.set_yticks(range(len(rows)))
+    ax_map.set(xlabel="expert", ylabel="MoE layer", title=f"Expert load, window ending at step {last['step']}")
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -47,7 +47,7 @@ def log(run: Run, record: dict[str, Any], bar: tqdm | None) -> None:
     if not run.is_main:
         return
     run.sink.log(record)
-    text = "  ".join(_fmt(k, v) for k, v in record.items() if k != "kind")
+    text = "  ".join(_fmt(k, v) for k, v in record.items() if k != "kind" and not isinstance(v, list))
     (bar.write if bar is not None else print)(f"[{record['kind']}] {text}")
 
 
@@ -80,6 +80,7 @@ def print_header(run: Run, model_name: str) -> None:
         + f"  world {run.world} on {run.engine.device.type} ({dist.get_backend()})",
         cfg.precision_choice.describe(),
         cfg.batch.describe(run.seq_len),
+        *([run.balancer.choice.describe()] if run.balancer is not None else []),
         f"lr: peak {cfg.ds['optimizer']['params']['lr']:g} from {run.lr_source}; scheduler {cfg.ds.get('scheduler', {}).get('type', 'none')}"
         f" {_sched_brief(cfg.ds)}",
         f"data: {run.args.data}  {len(run.train_data):,} train rows × {run.seq_len} tokens"

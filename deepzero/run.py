@@ -18,7 +18,7 @@ from typing import Any
 import torch
 from torch import nn
 
-from deepzero import checkpoint, dsconfig, engines, modeling, report, universal
+from deepzero import checkpoint, dsconfig, engines, modeling, moe_balance, report, universal
 from deepzero.args import TrainArgs
 from deepzero.data import PackedDataset, check_enough_rows, load_meta
 from deepzero.distributed import init_distributed
@@ -47,6 +47,8 @@ class RunPlan:
     train_data: PackedDataset
     val_data: PackedDataset | None
     tokenizer: Any
+    balance: moe_balance.BalanceChoice
+    """MoE load balancing (--moe-balance and the model family)."""
 
 
 @dataclass
@@ -70,6 +72,8 @@ class Run:
     history: list[dict[str, Any]] = field(default_factory=list)
     last_saved_step: int = -1
     """Step of the checkpoint this run last wrote or resumed from (the final save is skipped when it is current)."""
+    balancer: moe_balance.Balancer | None = None
+    """Router hooks of a DeepSeek MoE: load counts, balance losses, the V3 bias update (None: no routers)."""
 
     @property
     def is_main(self) -> bool:
@@ -104,6 +108,7 @@ def plan_run(args: TrainArgs, world: int) -> RunPlan:
             f"--model {args.model} is a dense model (no routed experts)",
             "drop --experts-impl",
         )
+    balance = moe_balance.choose(config, args.moe_balance, args.moe_bias_rate, args.moe_aux_alpha)
     settings = choose_engine(args)
     cfg = dsconfig.resolve(args.deepspeed_config, settings.dp_size(world), hints, args.ds, precision=args.precision)
     settings.check_batch(cfg.batch)
@@ -129,7 +134,7 @@ def plan_run(args: TrainArgs, world: int) -> RunPlan:
     tokenizer = modeling.load_tokenizer(args.tokenizer or meta.get("tokenizer") or args.model, args.trust_remote_code)
     if warning := check_fit(config, cfg.ds, world, None, seq_len, gradient_checkpointing=args.gradient_checkpointing):
         warn(warning)
-    return RunPlan(source, config, cfg, settings, lr_source, seq_len, train_data, val_data, tokenizer)
+    return RunPlan(source, config, cfg, settings, lr_source, seq_len, train_data, val_data, tokenizer, balance)
 
 
 def choose_engine(args: TrainArgs) -> EngineSettings:
@@ -188,11 +193,15 @@ def setup(args: TrainArgs) -> Run:
     rank, world = init_distributed()
     torch.manual_seed(args.seed)
     engine = plan.engine_settings.build(partial(make_model, args, plan), plan.cfg.ds, plan.seq_len)
+    balancer = moe_balance.attach(
+        engine.model, plan.balance, partial(grad_scale, engine, plan.cfg.batch.accum), engine.device
+    )
     state = checkpoint.load(engine, args.checkpoint_dir) if args.resume else checkpoint.TrainState()
     run_config = {
         "args": vars(args),
         "deepspeed": plan.cfg.ds,
         "precision": plan.cfg.precision_choice.to_json(),
+        "moe_balance": plan.balance.to_json(),
         "env": redact(report.launch_env()),
     }
     run = Run(
@@ -211,6 +220,7 @@ def setup(args: TrainArgs) -> Run:
         rank=rank,
         world=world,
         last_saved_step=state.step if args.resume else -1,
+        balancer=balancer,
     )
     if run.is_main:
         report.write_run_config(args.out_dir, run_config)
@@ -230,9 +240,16 @@ def make_model(args: TrainArgs, plan: RunPlan) -> nn.Module:
         trust_remote_code=args.trust_remote_code,
     )
     model.config.use_cache = False
+    model.train()  # from_pretrained returns it in eval mode (dropout off, routers' training hooks idle)
     if not plan.source.random_init and plan.cfg.precision == "fp16":
         check_fp16_range(model, args.model, local_values)
     return model
+
+
+def grad_scale(engine: TrainEngine, accum: int) -> float:
+    """What the engine multiplies each micro-batch's loss by before backward: 1/accumulation steps (DeepSpeed's
+    ``engine.backward``, the layer split) × the fp16 loss scale (a host float: reading it waits for nothing)."""
+    return (engine.loss_scale() or 1.0) / accum
 
 
 def warn(message: str) -> None:

@@ -102,6 +102,8 @@ def train_loop(run: Run, batches: Iterator[Batch]) -> None:
     window = Window(engine.synchronize)
     while run.state.step < args.max_steps:
         step_loss = engine.train_step(batches)
+        if run.balancer is not None:
+            run.balancer.after_step()  # the V3 bias update: one all-reduce of the step's loads, no host wait
         bad_streak = (bad_streak + 1) * (~torch.isfinite(step_loss))
         loss_sum += step_loss
         run.state.advance(run.cfg.batch.global_batch, run.tokens_per_step)
@@ -113,6 +115,7 @@ def train_loop(run: Run, batches: Iterator[Batch]) -> None:
             loss = all_reduce_mean(loss_sum / window.steps)
             peak_gb, kind = peak_memory_gb()
             record = report.train_record(run, loss, window.steps, elapsed, (all_reduce_max(peak_gb), kind))
+            record.update(run.balancer.window_stats() if run.balancer is not None else {})
             bar.set_postfix(loss=f"{loss:.3f}", lr=f"{record['lr']:.2e}", tok_s=f"{record['tokens_per_s']:.0f}")
             report.log(run, record, bar)
             check_finite(run, bad_streak)

@@ -59,3 +59,19 @@ def test_missing_or_empty_metrics_are_one_clear_error(tmp_path: Path, capsys: py
     empty.write_text(json.dumps({"kind": "eval", "step": 1, "val_loss": 3.0}) + "\n")
     with pytest.raises(UserError, match="no train records"):
         plot(empty)
+
+
+def test_moe_runs_get_an_expert_load_heatmap(tmp_path: Path) -> None:
+    """Train records with per-layer expert loads add a third panel: the PNG is wider than a dense run's."""
+    dense = plot(fake_metrics(tmp_path / "dense.jsonl"), tmp_path / "dense.png")
+    moe = fake_metrics(tmp_path / "moe.jsonl")
+    lines = [json.loads(line) for line in moe.read_text().splitlines()]
+    for i, record in enumerate(lines):
+        if record["kind"] == "train":
+            skew = 3.0 / (1 + i)
+            record["expert_load"] = [[1 + skew, 1 - skew / 7] + [1.0] * 6 for _ in range(3)]
+            record["expert_load_imbalance"] = 1 + skew
+    moe.write_text("".join(json.dumps(r) + "\n" for r in lines))
+    out = plot(moe, tmp_path / "moe.png")
+    assert png_size(out)[0] > png_size(dense)[0] * 1.5
+    assert out.stat().st_size > dense.stat().st_size

@@ -1,0 +1,309 @@
+"""MoE load balancing as DeepSeek trains it, and router telemetry, for any engine (ZeRO, pipeline, layer split).
+
+Transformers' DeepSeek-V2/V3 routers compute no balance loss and nothing updates V3's ``e_score_correction_bias``.
+A :class:`Balancer` attaches forward hooks to the routers of the built model (the stages of a pipeline hold the
+same modules), and adds:
+
+- **V3's auxiliary-loss-free bias** (``bias``): each optimizer step's expert loads, counted on the device over all
+  micro-batches, are summed over the whole world once (``[moe layers, experts]``; a rank fills the layers it runs,
+  so under the pipeline the sum is still the global batch's load), then every rank moves each router's bias by
+  ``b_i += γ·sign(mean − load_i)``: the same arithmetic on the same integers keeps the bias bit-identical everywhere.
+  The bias is kept in fp32 (a bf16 bias near 1 would round a step of 0.001 away) and is a persistent buffer, so
+  checkpoints and the Hugging Face export carry it.
+- **Balance losses** (``aux``): V3's sequence-wise complementary loss (normalised sigmoid scores) or V2's
+  expert-level loss (softmax scores; per sequence with ``seq_aux``, else per batch), times α. They enter backward
+  without touching the engines' loss, as Megatron-LM's ``MoEAuxLossAutoScaler`` does: the router's gate weights
+  pass through :class:`_InjectAux`, whose backward hands the loss the gradient ``scale`` = 1/accumulation steps ×
+  the fp16 loss scale, exactly what DeepSpeed applies to the LM loss in ``engine.backward``.
+- **Telemetry**: per-layer expert loads over each log window (``expert_load_imbalance``, ``dead_experts``,
+  ``expert_load``) and the balance loss, read only at log points (the only host waits).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+import torch.distributed as dist
+from torch import nn
+
+from deepzero.errors import UserError
+from deepzero.flops import routed_experts
+
+MODES = ("auto", "bias", "aux", "both", "off")
+DEFAULT_BIAS_RATE = 0.001
+"""γ of the DeepSeek-V3 report (most of pre-training)."""
+V3_SEQ_ALPHA = 0.0001
+"""α of V3's complementary sequence-wise balance loss."""
+V2_AUX_ALPHA = 0.001
+"""V2-Lite's ``aux_loss_alpha``, used when a V2 config does not carry one."""
+FAMILIES = {"deepseek_v3": "DeepSeek-V3", "deepseek_v2": "DeepSeek-V2"}
+
+
+@dataclass(frozen=True)
+class BalanceChoice:
+    """What balances the routers of this run (resolved from ``--moe-balance`` and the model family)."""
+
+    mode: str
+    """bias, aux, both or off."""
+    family: str
+    """model_type: deepseek_v3, deepseek_v2, or another (dense or unsupported: off)."""
+    bias_rate: float = 0.0
+    aux_alpha: float = 0.0
+    seq_aux: bool = True
+    """The loss is computed per sequence (a packed row) and averaged, else over the whole micro-batch."""
+    source: str = "--moe-balance"
+
+    @property
+    def uses_bias(self) -> bool:
+        return self.mode in ("bias", "both")
+
+    @property
+    def uses_aux(self) -> bool:
+        return self.mode in ("aux", "both") and self.aux_alpha > 0
+
+    @property
+    def active(self) -> bool:
+        return self.mode != "off"
+
+    def describe(self) -> str:
+        """One header line: ``moe balance: bias γ 0.001 + sequence-wise loss α 0.0001 (auto: DeepSeek-V3)``."""
+        parts = []
+        if self.uses_bias:
+            parts.append(f"bias γ {self.bias_rate:g}")
+        if self.mode in ("aux", "both"):
+            kind = "sequence-wise" if self.seq_aux else "batch-wise"
+            name = "complementary" if self.family == "deepseek_v3" else "expert-level"
+            parts.append(f"{kind} {name} loss α {self.aux_alpha:g}")
+        return f"moe balance: {' + '.join(parts) or 'off'} ({self.source})"
+
+    def to_json(self) -> dict[str, Any]:
+        return {k: getattr(self, k) for k in ("mode", "family", "bias_rate", "aux_alpha", "seq_aux")}
+
+
+def choose(
+    config: Any, mode: str = "auto", bias_rate: float | None = None, aux_alpha: float | None = None
+) -> BalanceChoice:
+    """The balancing for ``config``: ``auto`` is V3 bias + sequence-wise loss, V2 its config's aux loss, else off.
+
+    Explicit modes the model cannot do (a bias on V2's router, anything on a dense model) are one UserError.
+    """
+    family = str(getattr(config, "model_type", ""))
+    for name, value in (("--moe-bias-rate", bias_rate), ("--moe-aux-alpha", aux_alpha)):
+        if value is not None and not value >= 0:
+            raise UserError(name, f"must be 0 or more, got {value}", f"pass e.g. {name} 0.001")
+    if family not in FAMILIES:
+        if mode in ("auto", "off"):
+            return BalanceChoice("off", family, source="dense model" if not routed_experts(config) else family)
+        what = "a dense model (no routed experts)" if not routed_experts(config) else f"{family}, not DeepSeek-V2/V3"
+        raise UserError(f"--moe-balance {mode}", f"the model is {what}", "drop --moe-balance (auto) or pass off")
+    if family == "deepseek_v2" and mode in ("bias", "both"):
+        raise UserError(
+            f"--moe-balance {mode}",
+            "DeepSeek-V2's router has no e_score_correction_bias (the bias method is DeepSeek-V3's)",
+            "use --moe-balance aux (V2's expert-level loss) or off",
+        )
+    source = f"auto: {FAMILIES[family]}" if mode == "auto" else f"--moe-balance {mode}"
+    if family == "deepseek_v3":
+        alpha = V3_SEQ_ALPHA if aux_alpha is None else aux_alpha
+        rate = DEFAULT_BIAS_RATE if bias_rate is None else bias_rate
+        return BalanceChoice("both" if mode == "auto" else mode, family, rate, alpha, True, source)
+    alpha = float(getattr(config, "aux_loss_alpha", V2_AUX_ALPHA)) if aux_alpha is None else aux_alpha
+    seq_aux = bool(getattr(config, "seq_aux", True))
+    return BalanceChoice("aux" if mode == "auto" else mode, family, 0.0, alpha, seq_aux, source)
+
+
+class _InjectAux(torch.autograd.Function):
+    """Identity on ``output``; in backward, ``aux`` receives the gradient ``scale`` (Megatron's
+    MoEAuxLossAutoScaler): the balance loss joins backward as if it had been added to the engine's loss."""
+
+    @staticmethod
+    def forward(ctx: Any, output: torch.Tensor, aux: torch.Tensor, scale: float) -> torch.Tensor:
+        ctx.scale = scale
+        ctx.aux_like = (aux.shape, aux.dtype, aux.device)
+        return output
+
+    @staticmethod
+    def backward(ctx: Any, grad: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, None]:
+        shape, dtype, device = ctx.aux_like
+        return grad, torch.full(shape, ctx.scale, dtype=dtype, device=device), None
+
+
+def router_scores(logits: torch.Tensor, family: str) -> torch.Tensor:
+    """Per-token affinities the balance loss uses: V3 sigmoid normalised over the experts, V2 softmax."""
+    if family == "deepseek_v3":
+        scores = logits.float().sigmoid()
+        return scores / (scores.sum(dim=-1, keepdim=True) + 1e-20)
+    return logits.float().softmax(dim=-1)
+
+
+def balance_loss(scores: torch.Tensor, topk: torch.Tensor, rows: int, per_sequence: bool) -> torch.Tensor:
+    """Σ_i f_i·P_i (without α): f_i = E/(K·T)·(tokens routed to i), P_i = mean score of i over the T tokens;
+    per sequence (``rows`` sequences of T tokens each, averaged) or over all tokens. 1 when perfectly balanced."""
+    tokens, experts = scores.shape
+    groups = rows if per_sequence else 1
+    idx = topk.reshape(groups, -1)
+    f = torch.zeros(groups, experts, device=scores.device, dtype=scores.dtype)
+    f.scatter_add_(1, idx, torch.ones_like(idx, dtype=scores.dtype)).mul_(experts / idx.shape[1])
+    p = scores.reshape(groups, tokens // groups, experts).mean(dim=1)
+    return (f * p).sum(dim=1).mean()
+
+
+def find_routers(model: nn.Module) -> list[nn.Module]:
+    """The DeepSeek routers (``mlp.gate``) in model order: modules with ``top_k``, ``num_experts`` and a weight."""
+    return [
+        m
+        for m in model.modules()
+        if type(m).__name__.endswith("TopkRouter") and hasattr(m, "top_k") and hasattr(m, "num_experts")
+    ]
+
+
+def in_backward() -> bool:
+    """True while autograd runs backward: activation checkpointing recomputes a forward there (not a new one)."""
+    return torch._C._current_graph_task_id() != -1
+
+
+class Balancer:
+    """Hooks on every router of ``model``: load counts and balance losses on the device, the V3 bias update after
+    each optimizer step (:meth:`after_step`, every rank) and the window's telemetry (:meth:`window_stats`, every
+    rank, at log points only).
+
+    ``grad_scale()`` is what the engine multiplies the loss by before backward (1/accumulation steps × the fp16 loss
+    scale); it is read once per router call.
+    """
+
+    def __init__(
+        self,
+        model: nn.Module,
+        choice: BalanceChoice,
+        grad_scale: Callable[[], float],
+        device: torch.device | str,
+        group: Any = None,
+    ) -> None:
+        self.choice = choice
+        self.routers = find_routers(model)
+        self.grad_scale = grad_scale
+        self.group = group
+        n = len(self.routers)
+        experts = self.routers[0].num_experts if self.routers else 0
+        self.device = torch.device(device)
+        self.step_counts = torch.zeros(n, experts, dtype=torch.int64, device=self.device)
+        self.window_counts = torch.zeros_like(self.step_counts)
+        self.window_global = True
+        """window_counts already holds the whole world's loads (summed each step for the bias)."""
+        self.loss_sum = torch.zeros(n, dtype=torch.float32, device=self.device)
+        self.loss_calls = torch.zeros(n, dtype=torch.int64, device=self.device)
+        self._handles = []
+        for index, router in enumerate(self.routers):
+            if choice.uses_bias:
+                keep_bias_fp32(router)
+            self._handles.append(router.register_forward_hook(self._hook(index)))
+
+    def _hook(self, index: int) -> Callable[..., Any]:
+        choice = self.choice
+
+        def hook(module: nn.Module, args: tuple[Any, ...], output: Any) -> Any:
+            if not (module.training or torch.is_grad_enabled()):  # evaluation, export checks
+                return None
+            logits, weights, topk = output
+            if not in_backward():  # a recomputation (activation checkpointing) is not new tokens
+                idx = topk.reshape(-1).to(self.device, non_blocking=True)
+                self.step_counts[index].index_add_(0, idx, torch.ones_like(idx))
+            if not choice.uses_aux:
+                return None
+            rows = args[0].shape[0] if args[0].dim() == 3 else 1
+            aux = choice.aux_alpha * balance_loss(router_scores(logits, choice.family), topk, rows, choice.seq_aux)
+            if not in_backward():
+                self.loss_sum[index] += aux.detach().to(self.device, non_blocking=True)
+                self.loss_calls[index] += 1
+            if not aux.requires_grad:
+                return None
+            return logits, _InjectAux.apply(weights, aux, float(self.grad_scale())), topk
+
+        return hook
+
+    def after_step(self) -> None:
+        """After each optimizer step, on every rank: the step's loads into the window; with the bias, summed over
+        the world once and every router's bias moved toward balance (no host wait)."""
+        if not self.routers:
+            return
+        if self.choice.uses_bias:
+            counts = self.step_counts
+            if dist.is_initialized():
+                dist.all_reduce(counts, group=self.group)
+            update_biases(self.routers, counts, self.choice.bias_rate)
+        else:
+            self.window_global = not dist.is_initialized()
+        self.window_counts += self.step_counts
+        self.step_counts.zero_()
+
+    def window_stats(self) -> dict[str, Any]:
+        """The log window's router telemetry (a collective without the bias; waits for the device), then reset."""
+        if not self.routers:
+            return {}
+        counts, loss = self.window_counts, torch.stack([self.loss_sum, self.loss_calls.float()])
+        if dist.is_initialized():
+            if not self.window_global:
+                dist.all_reduce(counts, group=self.group)
+            dist.all_reduce(loss, group=self.group)
+        stats = load_stats(counts.cpu())
+        if self.choice.uses_aux:
+            stats["balance_loss"] = float((loss[0] / loss[1].clamp(min=1)).sum())
+        self.window_counts.zero_()
+        self.loss_sum.zero_()
+        self.loss_calls.zero_()
+        self.window_global = True
+        return stats
+
+    def biases(self) -> torch.Tensor:
+        """Every router's correction bias, ``[moe layers, experts]`` (fp32, on the CPU): for checks and tests."""
+        return torch.stack([r.e_score_correction_bias.detach().float().cpu() for r in self.routers])
+
+    def remove(self) -> None:
+        for handle in self._handles:
+            handle.remove()
+
+
+def keep_bias_fp32(router: nn.Module) -> None:
+    """Keep ``e_score_correction_bias`` in fp32 (the engine may have cast the model to bf16/fp16); the router adds
+    it to fp32 scores anyway, and Transformers keeps it in fp32 on load (``_keep_in_fp32_modules_strict``)."""
+    bias = getattr(router, "e_score_correction_bias", None)
+    if bias is None:
+        raise UserError(type(router).__name__, "has no e_score_correction_bias", "use --moe-balance aux or off")
+    if bias.dtype != torch.float32:
+        router.e_score_correction_bias = bias.detach().float()
+
+
+@torch.no_grad()
+def update_biases(routers: list[nn.Module], counts: torch.Tensor, rate: float) -> None:
+    """``b_i += rate · sign(mean load − load_i)`` per router, from the global counts ``[layers, experts]``."""
+    loads = counts.float()
+    step = rate * torch.sign(loads.mean(dim=1, keepdim=True) - loads)
+    for router, delta in zip(routers, step, strict=True):
+        bias = router.e_score_correction_bias
+        bias += delta.to(bias.device, bias.dtype, non_blocking=True)
+
+
+def load_stats(counts: torch.Tensor) -> dict[str, Any]:
+    """``expert_load_imbalance`` (max/mean tokens per expert, averaged over layers), ``dead_experts`` (experts
+    with no token) and ``expert_load`` (each layer's loads relative to its mean) from ``[layers, experts]``."""
+    loads = counts.double()
+    mean = loads.mean(dim=1, keepdim=True)
+    seen = mean.squeeze(1) > 0
+    if not bool(seen.any()):
+        return {}
+    relative = loads[seen] / mean[seen]
+    return {
+        "expert_load_imbalance": float(relative.max(dim=1).values.mean()),
+        "dead_experts": int((counts[seen] == 0).sum()),
+        "expert_load": [[round(float(v), 3) for v in row] for row in relative],
+    }
+
+
+def attach(model: nn.Module, choice: BalanceChoice, grad_scale: Callable[[], float], device: Any) -> Balancer | None:
+    """A Balancer on the routers of a DeepSeek-V2/V3 ``model`` (telemetry also when balancing is off), else None."""
+    if choice.family not in FAMILIES or not find_routers(model):
+        return None
+    return Balancer(model, choice, grad_scale, device)

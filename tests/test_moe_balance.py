@@ -1,0 +1,308 @@
+"""deepzero.moe_balance in process: defaults per family, the balance losses, the injected gradient's scaling, the
+bias update and its agreement across ranks (gloo), activation-checkpoint recomputation, telemetry."""
+
+from __future__ import annotations
+
+import os
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+import torch.distributed as dist
+import torch.multiprocessing as mp
+from conftest import records, run_bounded
+from transformers import AutoModelForCausalLM
+
+from deepzero import moe_balance
+from deepzero.distributed import free_port
+from deepzero.errors import UserError
+from deepzero.moe_balance import BalanceChoice, Balancer, balance_loss, choose, load_stats
+from deepzero.presets import PRESETS
+
+VOCAB = 64
+
+
+def tiny(family: str = "v3", **overrides: object) -> torch.nn.Module:
+    """A 3-layer DeepSeek (2 MoE layers of 8 experts, top-2), seeded: two calls give the same weights."""
+    torch.manual_seed(0)
+    config = PRESETS[f"tiny-deepseek-{family}"].config(vocab_size=VOCAB, num_hidden_layers=3, **overrides)
+    config.use_cache = False
+    return AutoModelForCausalLM.from_config(config, attn_implementation="eager").train()
+
+
+def batch(seed: int, rows: int = 2, seq: int = 16) -> dict[str, torch.Tensor]:
+    ids = torch.randint(0, VOCAB, (rows, seq), generator=torch.Generator().manual_seed(seed))
+    return {"input_ids": ids, "labels": ids}
+
+
+def test_defaults_follow_the_model_family() -> None:
+    v3 = choose(PRESETS["tiny-deepseek-v3"].config())
+    assert (v3.mode, v3.bias_rate, v3.aux_alpha, v3.seq_aux) == ("both", 0.001, 0.0001, True)
+    assert v3.describe() == "moe balance: bias γ 0.001 + sequence-wise complementary loss α 0.0001 (auto: DeepSeek-V3)"
+    v2 = choose(PRESETS["tiny-deepseek-v2"].config(aux_loss_alpha=0.002, seq_aux=False))
+    assert (v2.mode, v2.aux_alpha, v2.seq_aux, v2.uses_bias) == ("aux", 0.002, False, False)
+    assert choose(PRESETS["tiny-deepseek-v2"].config()).aux_alpha == 0.001  # V2-Lite's value when the config has none
+    assert (
+        choose(PRESETS["tiny-deepseek-v3"].config(), "bias", bias_rate=0.01)
+        .describe()
+        .startswith("moe balance: bias γ 0.01 (")
+    )
+    assert choose(PRESETS["tiny-deepseek-v3"].config(), "off").describe() == "moe balance: off (--moe-balance off)"
+    dense = choose(PRESETS["deepseek-coder-1.3b"].config())
+    assert dense.mode == "off" and "dense" in dense.describe()
+
+
+@pytest.mark.parametrize(
+    ("preset", "mode", "match"),
+    [
+        ("tiny-deepseek-v2", "bias", "no e_score_correction_bias"),
+        ("tiny-deepseek-v2", "both", "no e_score_correction_bias"),
+        ("deepseek-coder-1.3b", "aux", "dense model"),
+    ],
+)
+def test_impossible_choices_are_one_error(preset: str, mode: str, match: str) -> None:
+    with pytest.raises(UserError, match=match):
+        choose(PRESETS[preset].config(), mode)
+
+
+def test_negative_coefficients_are_refused() -> None:
+    with pytest.raises(UserError, match="--moe-bias-rate"):
+        choose(PRESETS["tiny-deepseek-v3"].config(), "bias", bias_rate=-1.0)
+
+
+def test_balance_loss_is_one_when_balanced_and_grows_with_skew() -> None:
+    experts, tokens = 4, 8
+    uniform = torch.full((tokens, experts), 1 / experts)
+    spread = torch.arange(tokens * 2).reshape(tokens, 2) % experts  # every expert chosen equally often
+    assert balance_loss(uniform, spread, rows=2, per_sequence=True).item() == pytest.approx(1.0)
+    skewed_scores = torch.tensor([[0.7, 0.1, 0.1, 0.1]]).repeat(tokens, 1)
+    collapsed = torch.tensor([[0, 1]]).repeat(tokens, 1)
+    assert balance_loss(skewed_scores, collapsed, rows=2, per_sequence=True).item() == pytest.approx(1.6)
+    assert balance_loss(skewed_scores, collapsed, rows=1, per_sequence=False).item() == pytest.approx(1.6)
+
+
+def gate_outputs(model: torch.nn.Module) -> list[tuple[torch.Tensor, torch.Tensor, int]]:
+    """Record (router logits, top-k, rows) of every router call (a plain hook, no Balancer)."""
+    seen: list[tuple[torch.Tensor, torch.Tensor, int]] = []
+    for router in moe_balance.find_routers(model):
+        router.register_forward_hook(lambda m, args, out: seen.append((out[0], out[2], args[0].shape[0])))
+    return seen
+
+
+@pytest.mark.parametrize("family", ["v3", "v2"])
+def test_injected_aux_gradient_equals_the_gradient_of_the_summed_loss(family: str) -> None:
+    """Two micro-batches of accumulation and a loss scale of 8: the engine backpropagates loss·8/2; the injected
+    balance loss must land in the gradients as if α·aux had been added to each micro-batch's loss."""
+    accum, loss_scale, alpha = 2, 8.0, 0.05  # a large α, so a wrong scale shows in the router gradient
+    injected, direct, plain = tiny(family), tiny(family), tiny(family)
+    choice = BalanceChoice("aux", f"deepseek_{family}", aux_alpha=alpha, seq_aux=True)
+    Balancer(injected, choice, lambda: loss_scale / accum, "cpu")
+    seen = gate_outputs(direct)
+    for micro in range(accum):
+        (injected(**batch(micro)).loss * loss_scale / accum).backward()
+        seen.clear()
+        lm = direct(**batch(micro)).loss
+        aux = sum(
+            alpha * balance_loss(moe_balance.router_scores(lg, choice.family), k, rows, True) for lg, k, rows in seen
+        )
+        ((lm + aux) * loss_scale / accum).backward()
+        (plain(**batch(micro)).loss * loss_scale / accum).backward()
+    grads = dict(direct.named_parameters())
+    for name, param in injected.named_parameters():
+        assert torch.allclose(param.grad, grads[name].grad, rtol=1e-4, atol=1e-6), name
+    router = "model.layers.1.mlp.gate.weight"
+    without = dict(plain.named_parameters())[router].grad
+    assert (dict(injected.named_parameters())[router].grad - without).abs().max() > 1e-3 * without.abs().max()
+
+
+def test_bias_moves_toward_balance_in_fp32_from_the_steps_counts() -> None:
+    model = tiny("v3").to(torch.bfloat16)
+    seen = gate_outputs(model)
+    balancer = Balancer(model, BalanceChoice("bias", "deepseek_v3", bias_rate=0.01), lambda: 1.0, "cpu")
+    assert all(r.e_score_correction_bias.dtype == torch.float32 for r in balancer.routers)
+    for micro in range(2):
+        model(**batch(micro))
+    counts = torch.stack([torch.bincount(seen[i][1].flatten(), minlength=8) for i in range(2)])
+    counts += torch.stack([torch.bincount(seen[i][1].flatten(), minlength=8) for i in range(2, 4)])
+    balancer.after_step()
+    expected = 0.01 * torch.sign(counts.float().mean(1, keepdim=True) - counts.float())
+    assert torch.equal(balancer.biases(), expected)
+    assert expected.abs().sum() > 0
+    assert balancer.step_counts.sum() == 0 and torch.equal(balancer.window_counts, counts)
+    stats = balancer.window_stats()
+    loads = counts.double() / counts.double().mean(1, keepdim=True)
+    assert stats["expert_load_imbalance"] == pytest.approx(float(loads.max(1).values.mean()))
+    assert stats["dead_experts"] == int((counts == 0).sum())
+    assert len(stats["expert_load"]) == 2 and len(stats["expert_load"][0]) == 8
+    assert balancer.window_counts.sum() == 0
+
+
+def test_eval_forwards_and_recomputation_are_not_counted() -> None:
+    model = tiny("v3")
+    balancer = Balancer(model, BalanceChoice("both", "deepseek_v3", 0.001, 0.0001), lambda: 1.0, "cpu")
+    model(**batch(0)).loss.backward()
+    once = balancer.step_counts.clone()
+    assert once.sum() == 2 * 2 * 16 * 2  # layers × rows × tokens × top-k
+    model.eval()
+    with torch.no_grad():
+        model(**batch(0))
+    model.train()
+    model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+    model(**batch(0)).loss.backward()  # the backward recomputes each layer's forward
+    assert torch.equal(balancer.step_counts, 2 * once)
+    assert int(balancer.loss_calls.sum()) == 4
+
+
+SYNCS = ("item", "tolist", "cpu", "__bool__", "__float__", "__int__", "numpy")
+"""Tensor methods that make the host wait for the device."""
+
+
+def count_syncs(monkeypatch: pytest.MonkeyPatch, calls: list[str]) -> None:
+    for name in SYNCS:
+        original = getattr(torch.Tensor, name)
+
+        def counted(
+            self: torch.Tensor, *args: object, _name: str = name, _f: object = original, **kw: object
+        ) -> object:
+            calls.append(_name)
+            return _f(self, *args, **kw)  # type: ignore[operator]
+
+        monkeypatch.setattr(torch.Tensor, name, counted)
+
+
+def test_a_training_step_with_balancing_waits_for_the_device_no_more_than_without(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """Forward + backward of two micro-batches and the bias update: the Balancer's hooks, losses and update add no
+    host read of a tensor (counted over every Tensor method that waits); only ``window_stats`` reads them."""
+    plain, balanced = tiny("v3"), tiny("v3")
+    balancer = Balancer(balanced, BalanceChoice("both", "deepseek_v3", 0.001, 0.0001), lambda: 0.5, "cpu")
+    counts: dict[str, list[str]] = {"plain": [], "balanced": []}
+    for name, model in (("plain", plain), ("balanced", balanced)):
+        with monkeypatch.context() as patch:
+            count_syncs(patch, counts[name])
+            for micro in range(2):
+                (model(**batch(micro)).loss / 2).backward()
+            if model is balanced:
+                balancer.after_step()
+    assert counts["balanced"] == counts["plain"]
+    with monkeypatch.context() as patch:
+        reads: list[str] = []
+        count_syncs(patch, reads)
+        assert balancer.window_stats()["dead_experts"] >= 0
+    assert reads  # the log point is where the numbers come to the host
+
+
+def test_load_stats_of_a_collapsed_and_a_balanced_layer() -> None:
+    counts = torch.tensor([[8, 8, 0, 0], [4, 4, 4, 4]])
+    stats = load_stats(counts)
+    assert stats["expert_load_imbalance"] == pytest.approx((2.0 + 1.0) / 2)
+    assert stats["dead_experts"] == 2
+    assert stats["expert_load"] == [[2.0, 2.0, 0.0, 0.0], [1.0, 1.0, 1.0, 1.0]]
+
+
+def _rank_main(rank: int, world: int, port: int, out: str) -> None:
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
+    dist.init_process_group("gloo", rank=rank, world_size=world)
+    model = tiny("v3")
+    balancer = Balancer(model, BalanceChoice("bias", "deepseek_v3", bias_rate=0.001), lambda: 1.0, "cpu")
+    local_counts = []
+    for step in range(3):
+        for micro in range(2):  # each rank its own rows
+            model(**batch(100 * rank + 10 * step + micro))
+        local_counts.append(balancer.step_counts.clone())
+        balancer.after_step()
+        if step == 0:
+            first_bias = balancer.biases()
+    gathered = [torch.zeros(2, 8) for _ in range(world)]
+    dist.all_gather(gathered, balancer.biases())
+    torch.save({"biases": gathered, "first_counts": local_counts[0], "first_bias": first_bias}, f"{out}/{rank}.pt")
+    dist.destroy_process_group()
+
+
+def test_every_rank_keeps_the_same_bias_from_the_world_summed_loads(tmp_path: Path) -> None:
+    """Three gloo ranks on different rows: after three steps every rank's bias is bit-identical and not zero."""
+    world = 3
+    mp.start_processes(_rank_main, args=(world, free_port(), str(tmp_path)), nprocs=world, start_method="spawn")
+    results = {rank: torch.load(tmp_path / f"{rank}.pt") for rank in range(world)}
+    first = results[0]["biases"][0]
+    assert first.abs().sum() > 0
+    for rank in range(world):
+        assert all(torch.equal(b, first) for b in results[rank]["biases"])
+    local = [results[r]["first_counts"].float() for r in range(world)]
+    summed = sum(local)
+    assert torch.equal(results[0]["first_bias"], 0.001 * torch.sign(summed.mean(1, keepdim=True) - summed))
+    alone = [torch.sign(c.mean(1, keepdim=True) - c) for c in local]  # what each rank would do on its own counts
+    assert any(not torch.equal(a, alone[0]) for a in alone[1:])
+
+
+# Through train.py (one process, fp32 ZeRO-2) on a tiny DeepSeek-V3 whose routers favour experts 0 and 1.
+
+STEPS = 60
+
+
+@pytest.fixture(scope="module")
+def skewed(tiny_data: Path, tmp_path_factory: pytest.TempPathFactory) -> Path:
+    from bench.moe_balance import write_skewed_model
+    from deepzero.data import load_meta
+    from deepzero.modeling import load_tokenizer
+
+    vocab = len(load_tokenizer(load_meta(tiny_data)["tokenizer"], False))
+    return write_skewed_model(tmp_path_factory.mktemp("skewed") / "model", vocab)
+
+
+def train(model: Path, data: Path, out: Path, *extra: str, steps: int = STEPS) -> list[dict]:
+    from bench.moe_balance import train_args
+
+    cmd = [sys.executable, "train.py", *train_args(model, data, out, steps, 10, *extra, micro=2)]
+    proc = run_bounded(cmd, 300)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    return records(out)
+
+
+@pytest.fixture(scope="module")
+def off_run(skewed: Path, tiny_data: Path, tmp_path_factory: pytest.TempPathFactory) -> list[dict]:
+    return train(skewed, tiny_data, tmp_path_factory.mktemp("off") / "run", "--moe-balance", "off")
+
+
+@pytest.mark.parametrize(
+    "flags",
+    [("--moe-balance", "bias", "--moe-bias-rate", "0.02"), ("--moe-balance", "aux", "--moe-aux-alpha", "0.1")],
+    ids=["bias", "aux"],
+)
+def test_balancing_brings_a_skewed_router_under_1_5_and_loss_no_worse(
+    flags: tuple[str, ...], off_run: list[dict], skewed: Path, tiny_data: Path, tmp_path: Path
+) -> None:
+    """Off: the imbalance (max/mean tokens per expert) stays above 2.5 in every window; balanced: under 1.5 by
+    step 60, and the LM loss at step 60 is no worse than off's (same seed, same rows)."""
+    assert all(r["expert_load_imbalance"] > 2.5 for r in off_run), [r["expert_load_imbalance"] for r in off_run]
+    assert off_run[-1]["dead_experts"] > 0
+    balanced = train(skewed, tiny_data, tmp_path / "run", *flags)
+    curve = [round(r["expert_load_imbalance"], 2) for r in balanced]
+    assert balanced[-1]["expert_load_imbalance"] < 1.5, curve
+    assert balanced[-1]["dead_experts"] == 0
+    assert balanced[-1]["loss"] <= off_run[-1]["loss"] + 0.01, (balanced[-1]["loss"], off_run[-1]["loss"])
+    assert ("balance_loss" in balanced[-1]) == (flags[1] == "aux")
+    assert len(balanced[-1]["expert_load"]) == 3 and len(balanced[-1]["expert_load"][0]) == 8
+
+
+def test_bias_resumes_exactly_and_reaches_the_export(skewed: Path, tiny_data: Path, tmp_path: Path) -> None:
+    """Bias and sequence-wise loss on: stopped at step 10 and resumed, the curve and the final bias are those of the
+    uninterrupted run; the exported safetensors carry the bias (the export's reload matched the engine's logits)."""
+    from safetensors.torch import load_file
+
+    flags = ("--moe-balance", "both", "--moe-bias-rate", "0.02", "--save-interval", "10", "--log-interval", "1")
+    whole = train(skewed, tiny_data, tmp_path / "whole", *flags, "--export", steps=20)
+    train(skewed, tiny_data, tmp_path / "cut", *flags, steps=10)
+    resumed = train(skewed, tiny_data, tmp_path / "cut", *flags, "--resume", "--export", steps=20)
+    assert [r["loss"] for r in whole[10:]] == [r["loss"] for r in resumed[-10:]]
+    assert [r["expert_load"] for r in whole[10:]] == [r["expert_load"] for r in resumed[-10:]]
+    exports = [r for d in ("whole", "cut") for r in records(tmp_path / d, "export")]
+    assert len(exports) == 2 and all(r["ok"] for r in exports)
+    a, b = (load_file(tmp_path / d / "hf" / "model.safetensors") for d in ("whole", "cut"))
+    keys = sorted(k for k in a if k.endswith("e_score_correction_bias"))
+    assert len(keys) == 3
+    for key in keys:
+        assert a[key].dtype == torch.float32 and a[key].abs().sum() > 0
+        assert torch.equal(a[key], b[key]), key
