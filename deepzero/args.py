@@ -12,6 +12,8 @@ from typing import Literal
 from deepzero.errors import UserError
 
 DEFAULT_DATA = "artifacts/data/stdlib"
+ATTENTION = ("eager", "sdpa", "flash_attention_2", "flash_attention_3", "flex_attention")
+"""Transformers' built-in attention implementations (a hub kernel, ``org/name``, is passed through)."""
 
 
 def _help(text: str, **kw) -> dict:
@@ -143,20 +145,39 @@ class TrainArgs:
                 raise UserError(f"--{name.replace('_', '-')}", "must be at least 1", "pass a positive integer")
         if self.device_map not in (None, "balanced"):
             raise UserError(f"--device-map {self.device_map}", "unknown placement", "use --device-map balanced")
-        for name, least in (("micro_batch", 1), ("grad_accum", 1), ("warmup_steps", 0)):
+        for name, least in (("micro_batch", 1), ("grad_accum", 1), ("warmup_steps", 1)):
             value = getattr(self, name)
             if value is not None and value < least:
                 raise UserError(
-                    f"--{name.replace('_', '-')}", f"must be at least {least}, got {value}", "pass a larger number"
+                    f"--{name.replace('_', '-')}",
+                    f"must be at least {least}, got {value}",
+                    "pass a larger number (DeepSpeed's warm-up needs 1 step or more)"
+                    if name == "warmup_steps"
+                    else "pass a larger number",
                 )
         if self.lr is not None and not (math.isfinite(self.lr) and self.lr > 0):
             raise UserError("--lr", f"must be a positive number, got {self.lr}", "pass e.g. --lr 3e-5")
-        for name in ("eval_interval", "save_interval"):
+        for name in ("eval_interval", "save_interval", "seed"):
             if getattr(self, name) < 0:
-                raise UserError(f"--{name.replace('_', '-')}", "must be 0 (off) or positive", "pass 0 or more")
+                raise UserError(f"--{name.replace('_', '-')}", "must be 0 or positive", "pass 0 or more")
+        for name in ("peak_tflops", "moe_bias_rate", "moe_aux_alpha"):
+            value = getattr(self, name)
+            if value is not None and not (math.isfinite(value) and value >= (1e-9 if name == "peak_tflops" else 0)):
+                raise UserError(f"--{name.replace('_', '-')}", f"must be a positive number, got {value}", "pass e.g. 1")
+        if self.attn_implementation not in ATTENTION and "/" not in self.attn_implementation:
+            raise UserError(
+                f"--attn-implementation {self.attn_implementation}",
+                "unknown attention implementation",
+                f"use one of {', '.join(ATTENTION)} (or a hub kernel, org/name)",
+            )
 
     def to_json(self) -> str:
         return json.dumps(asdict(self), indent=2, sort_keys=True)
+
+
+def _flag_error(message: str) -> None:
+    """argparse's error (a value of the wrong type, a missing value): one line naming the flag."""
+    raise UserError("train.py", message, "see python train.py --help")
 
 
 def parse_args(argv: list[str] | None = None) -> TrainArgs:
@@ -164,6 +185,7 @@ def parse_args(argv: list[str] | None = None) -> TrainArgs:
     from transformers import HfArgumentParser
 
     parser = HfArgumentParser(TrainArgs, description="Train a DeepSeek-family model with DeepSpeed ZeRO.")
+    parser.error = _flag_error  # argparse prints usage and its own error line, then exits: make it ours
     (args, rest) = parser.parse_args_into_dataclasses(args=argv, return_remaining_strings=True)
     if rest:
         flags = [a.split("=")[0] for a in rest if a.startswith("-")] or rest

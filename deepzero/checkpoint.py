@@ -4,13 +4,21 @@ Layout under ``<out>/checkpoints``: one folder per step (``step00000100``) writt
 ``engine.save_checkpoint`` under a ``.partial`` name, renamed when every rank has finished, and only then
 pointed to by ``latest`` (replaced with ``os.replace``). A crash mid-save leaves the previous checkpoint as
 ``latest``. Old folders beyond ``keep_last`` are deleted only after a newer one is published.
+
+Durable: every file of the new folder, the folder and ``checkpoints/`` are fsynced before ``latest`` changes, so a
+power loss after the switch cannot leave ``latest`` naming files still in the page cache (cost: docs/reliability.md).
+A save that fails to write (disk full, quota, I/O error) removes its ``.partial`` folder and ends every rank with
+one line naming the last good checkpoint (:class:`SaveFailed`).
 """
 
 from __future__ import annotations
 
+import errno
 import os
 import re
 import shutil
+import time
+import zipfile
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -21,6 +29,10 @@ import torch.distributed as dist
 from deepzero.errors import UserError
 
 TAG_RE = re.compile(r"^step(\d{8})$")
+ADAM_BYTES = 12
+"""Per trainable parameter in a ZeRO checkpoint: fp32 master weight + Adam's two fp32 moments."""
+WRITE_ERRORS = ("file write failed", "unexpected pos", "No space left", "Disk quota", "Input/output error")
+"""torch.save reports a failed write as a RuntimeError from its zip writer; these mark it as an I/O failure."""
 
 
 @dataclass
@@ -71,30 +83,184 @@ def latest_tag(ckpt_dir: Path) -> str | None:
 
 
 def save(engine: Any, ckpt_dir: Path, state: TrainState, keep_last: int) -> Path:
-    """Save on all ranks, publish on rank 0, prune old checkpoints. Returns the published folder."""
+    """Save on all ranks, fsync, publish on rank 0, prune old checkpoints. Returns the published folder.
+
+    Raises :class:`SaveFailed` (a UserError) on every rank when any rank could not write its files.
+    """
     tag = tag_for(state.step)
-    partial = f"{tag}.partial"
+    partial = ckpt_dir / f"{tag}.partial"
     rank = dist.get_rank() if dist.is_initialized() else 0
+    world = dist.get_world_size() if dist.is_initialized() else 1
     if rank == 0:  # left by a run that died mid-save: none of its files may be published with this one
-        shutil.rmtree(ckpt_dir / partial, ignore_errors=True)
+        shutil.rmtree(partial, ignore_errors=True)
     _barrier()
-    engine.save_checkpoint(str(ckpt_dir), tag=partial, client_state=state.to_client_state(), save_latest=False)
-    torch.save(_rng_state(), ckpt_dir / partial / f"rng_rank{rank:03d}.pt")
+    failure = _write(engine, ckpt_dir, partial, state, rank)
     _barrier()
+    if failure is None:
+        failure = _attempt(lambda: _fsync_files(partial, rank, world))
+    code = int(_all_reduce_max(float(failure[0] if failure else 0)))  # every rank learns whether any failed
+    if code:
+        if rank == 0:
+            shutil.rmtree(partial, ignore_errors=True)
+        _barrier()
+        raise SaveFailed(ckpt_dir, tag, failure[1] if failure else os.strerror(code), code)
+    failure = _attempt(lambda: _publish(ckpt_dir, partial, tag, keep_last)) if rank == 0 else None
+    code = int(_all_reduce_max(float(failure[0] if failure else 0)))  # also the barrier that ends the save
+    if code:
+        raise SaveFailed(ckpt_dir, tag, failure[1] if failure else os.strerror(code), code)
+    return ckpt_dir / tag
+
+
+def _publish(ckpt_dir: Path, partial: Path, tag: str, keep_last: int) -> None:
+    """Rank 0: rename ``partial`` to ``tag``, make it durable, point ``latest`` at it, prune. On a failed write the
+    new folder is removed again (unless ``latest`` already names it) and ``latest`` is unchanged."""
     final = ckpt_dir / tag
-    if rank == 0:
+    try:
         if final.exists():  # a step re-saved after resuming from an older checkpoint: keep the old one until swapped
             old = final.with_name(f"{tag}.superseded")
             shutil.rmtree(old, ignore_errors=True)
             os.replace(final, old)
-            os.replace(ckpt_dir / partial, final)
+            os.replace(partial, final)
             shutil.rmtree(old)
         else:
-            os.replace(ckpt_dir / partial, final)
+            os.replace(partial, final)
+        fsync_dir(ckpt_dir)  # the rename is durable before 'latest' names it
         _write_atomic(ckpt_dir / "latest", tag)
-        _prune(ckpt_dir, keep_last, keep=tag)
-    _barrier()
-    return final
+        fsync_dir(ckpt_dir)
+    except OSError:
+        shutil.rmtree(partial, ignore_errors=True)
+        if latest_tag(ckpt_dir) != tag:
+            shutil.rmtree(final, ignore_errors=True)
+        ckpt_dir.joinpath(".latest.tmp").unlink(missing_ok=True)
+        raise
+    _prune(ckpt_dir, keep_last, keep=tag)
+
+
+class SaveFailed(UserError):
+    """A checkpoint could not be written; its ``.partial`` folder is gone and ``latest`` is unchanged."""
+
+    def __init__(self, ckpt_dir: Path, tag: str, reason: str, code: int) -> None:
+        self.code = code
+        latest = latest_tag(ckpt_dir)
+        last = f"the last good checkpoint is {ckpt_dir / latest}" if latest else "there is no earlier checkpoint"
+        full = code in (errno.ENOSPC, errno.EDQUOT)
+        super().__init__(
+            f"{ckpt_dir / tag}",
+            f"saving the checkpoint failed ({reason}); removed the partial folder, {last}",
+            ("free space under " if full else "check the disk under ")
+            + f"{ckpt_dir} (or lower --keep-last), then"
+            + (" --resume" if latest else " start again"),
+        )
+
+
+def _write(engine: Any, ckpt_dir: Path, partial: Path, state: TrainState, rank: int) -> tuple[int, str] | None:
+    """This rank's files of the checkpoint; (errno, reason) when a write failed.
+
+    DeepSpeed's ``save_checkpoint`` ends with a barrier that a failed write skips: the failing rank joins it here,
+    so that every rank then meets at the same all-reduce.
+    """
+    failure = _attempt(
+        lambda: engine.save_checkpoint(
+            str(ckpt_dir), tag=partial.name, client_state=state.to_client_state(), save_latest=False
+        )
+    )
+    if failure is not None:
+        _barrier()
+        return failure
+    return _attempt(lambda: torch.save(_rng_state(), partial / f"rng_rank{rank:03d}.pt"))
+
+
+def _attempt(write: Any) -> tuple[int, str] | None:
+    """Run ``write``; an OSError or torch's zip-writer RuntimeError becomes (errno, one-line reason)."""
+    try:
+        write()
+    except OSError as err:
+        return err.errno or errno.EIO, f"{err.strerror or err}" + (f": {err.filename}" if err.filename else "")
+    except RuntimeError as err:
+        text = " ".join(str(err).split())
+        if not any(marker in text for marker in WRITE_ERRORS):
+            raise
+        code = errno.ENOSPC if "No space" in text or "unexpected pos" in text else errno.EIO
+        return code, f"{os.strerror(code)}: torch.save: {text[:120]}"
+    return None
+
+
+def _fsync_files(folder: Path, rank: int, world: int) -> None:
+    """fsync every file under ``folder`` (rank r takes every world-th one), then the folders themselves."""
+    files = sorted(p for p in folder.rglob("*") if p.is_file())
+    for path in files[rank::world]:
+        fd = os.open(path, os.O_RDONLY)
+        try:
+            os.fsync(fd)
+        finally:
+            os.close(fd)
+    if rank == 0:
+        for sub in sorted({p.parent for p in files} | {folder}):
+            fsync_dir(sub)
+
+
+def fsync_dir(folder: Path) -> None:
+    """Make the entries of ``folder`` (creations, renames) durable."""
+    fd = os.open(folder, os.O_RDONLY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+
+
+def checkpoint_bytes(params: int, trainable: int, param_bytes: int) -> int:
+    """Bytes of one ZeRO checkpoint: every parameter in the training dtype (``param_bytes``: 2 for bf16/fp16, 4 for
+    fp32) plus the fp32 master weight and Adam moments of each trainable one (``plan.model_stats(config).total``
+    and the trainable count give the two numbers)."""
+    return params * param_bytes + trainable * ADAM_BYTES
+
+
+def check_disk_space(out_dir: Path, checkpoint: int, keep_last: int, export: int) -> str | None:
+    """Compare the free space under ``out_dir`` with ``keep_last`` checkpoints of ``checkpoint`` bytes, the one being
+    written before the oldest is pruned, and the export. Raise when not even one checkpoint fits; return a warning
+    line when fewer than that fit; None when all fit. Checkpoints already in the folder count as free (pruned)."""
+    need = (keep_last + 1) * checkpoint + export
+    folder = out_dir.absolute()
+    while not folder.exists():
+        folder = folder.parent
+    ckpt_dir = out_dir / "checkpoints"
+    existing = sum(p.stat().st_size for p in ckpt_dir.rglob("*") if p.is_file()) if ckpt_dir.is_dir() else 0
+    free = shutil.disk_usage(folder).free + existing
+    if free >= need:
+        return None
+    sizes = f"{_gb(free)} free under {folder}; each checkpoint takes {_gb(checkpoint)}, the export {_gb(export)}"
+    if free < checkpoint + export:
+        raise UserError(
+            f"--out {out_dir}",
+            f"not enough disk space for one checkpoint and the export ({sizes})",
+            "free space there or pass another --out",
+        )
+    fits = max(1, (free - export) // checkpoint - 1)
+    return (
+        f"--out {out_dir}: room for {fits} checkpoint(s) + the export, not --keep-last {keep_last} + 1 being written"
+        f" ({sizes}). Fix: free {_gb(need - free)} or pass --keep-last {fits}"
+    )
+
+
+def _gb(n: int | float) -> str:
+    return f"{n / 1e9:.2f} GB"
+
+
+def measure_write_speed(folder: Path, size: int = 64 << 20, block: int = 4 << 20) -> float:
+    """Bytes per second of writing ``size`` bytes to a new file in ``folder`` and fsyncing it (then removed)."""
+    folder.mkdir(parents=True, exist_ok=True)
+    path = folder / f".write_speed.{os.getpid()}.tmp"
+    data = os.urandom(block)
+    start = time.perf_counter()
+    try:
+        with path.open("wb") as f:
+            for _ in range(max(1, size // block)):
+                f.write(data)
+            f.flush()
+            os.fsync(f.fileno())
+        return max(1, size // block) * block / (time.perf_counter() - start)
+    finally:
+        path.unlink(missing_ok=True)
 
 
 def _prune(ckpt_dir: Path, keep_last: int, keep: str) -> None:
@@ -106,13 +272,49 @@ def _prune(ckpt_dir: Path, keep_last: int, keep: str) -> None:
         shutil.rmtree(stale, ignore_errors=True)
 
 
-def load(engine: Any, ckpt_dir: Path, load_optimizer_states: bool = True) -> TrainState:
-    """Load the checkpoint that ``latest`` points to; clear errors for missing or corrupt ones."""
+ZERO_FILE_RE = re.compile(r"^(?:bf16_)?zero_pp_rank_(\d+)_mp_rank_(\d+)_optim_states\.pt$")
+
+
+def check_resumable(ckpt_dir: Path, dp_size: int) -> str:
+    """The tag ``latest`` names, after checks that need no engine: the folder exists, every ``.pt`` file in it is a
+    complete torch zip archive, and a ZeRO checkpoint was written by ``dp_size`` data-parallel ranks (else it needs
+    ``python -m deepzero.universal`` first). Cheap: reads directory listings and zip footers only."""
     tag = latest_tag(ckpt_dir)
     if tag is None:
         raise UserError(str(ckpt_dir), "no checkpoint to resume from (no 'latest' file)", "drop --resume or fix --out")
-    if not (ckpt_dir / tag).is_dir():
+    folder = ckpt_dir / tag
+    if not tag or not folder.is_dir():
         raise UserError(str(ckpt_dir / "latest"), f"points to missing folder '{tag}'", "restore it or edit 'latest'")
+    files = sorted(p for p in folder.rglob("*.pt") if p.is_file())
+    if not files:
+        raise UserError(str(folder), "holds no checkpoint files (*.pt)", _older_hint(ckpt_dir, tag))
+    for path in files:
+        if not (zipfile.is_zipfile(path) or _legacy_pickle(path)):
+            raise UserError(
+                str(path),
+                f"is truncated or not a torch checkpoint ({path.stat().st_size} bytes)",
+                _older_hint(ckpt_dir, tag),
+            )
+    saved = {int(m.group(1)) for p in files if (m := ZERO_FILE_RE.match(p.name))}
+    if saved and not (folder / "zero").is_dir() and len(saved) != dp_size:
+        run_dir = ckpt_dir.parent if ckpt_dir.name == "checkpoints" else ckpt_dir
+        raise UserError(
+            str(folder),
+            f"was saved by {len(saved)} data-parallel ranks, this run has {dp_size}",
+            f"convert it first: python -m deepzero.universal {run_dir}; then --resume (or run on {len(saved)} ranks)",
+        )
+    return tag
+
+
+def _legacy_pickle(path: Path) -> bool:
+    """A ``torch.save`` file without zip (``checkpoint.use_zipfile_serialization: false``): a pickle header."""
+    with path.open("rb") as f:
+        return f.read(1) == b"\x80"
+
+
+def load(engine: Any, ckpt_dir: Path, load_optimizer_states: bool = True) -> TrainState:
+    """Load the checkpoint that ``latest`` points to; clear errors for missing, corrupt or foreign ones."""
+    tag = check_resumable(ckpt_dir, engine.dp_size)
     try:
         path, client_state = engine.load_checkpoint(
             str(ckpt_dir), tag=tag, load_optimizer_states=load_optimizer_states, load_lr_scheduler_states=True
@@ -155,3 +357,9 @@ def _set_rng_state(state: dict[str, torch.Tensor]) -> None:
 def _barrier() -> None:
     if dist.is_initialized():
         dist.barrier()
+
+
+def _all_reduce_max(x: float) -> float:
+    from deepzero.distributed import all_reduce_max
+
+    return all_reduce_max(x)

@@ -7,11 +7,14 @@ as one line naming the file, the keys and the fix.
 
 from __future__ import annotations
 
+import contextlib
 import copy
 import difflib
 import inspect
 import json
+import logging
 import math
+from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -86,6 +89,47 @@ ADAM_PARAMS = frozenset(["lr", "betas", "eps", "weight_decay", "amsgrad", "adam_
 Adams (FusedAdam, DeepSpeedCPUAdam) ``bias_correction`` (engine.py ``get_optimizer_configuration``)."""
 TORCH_ADAM_ONLY = frozenset(["fused", "foreach"])
 DEEPSPEED_ADAM_ONLY = frozenset(["bias_correction"])
+
+SECTIONS = frozenset(
+    [
+        "optimizer",
+        "scheduler",
+        "fp16",
+        "bf16",
+        "bfloat16",
+        "amp",
+        "torch_autocast",
+        "zero_optimization",
+        "activation_checkpointing",
+        "flops_profiler",
+        "tensorboard",
+        "wandb",
+        "csv_monitor",
+        "comet",
+        "comms_logger",
+        "autotuning",
+        "elasticity",
+        "data_efficiency",
+        "curriculum_learning",
+        "data_types",
+        "checkpoint",
+        "aio",
+        "pipeline",
+        "compression_training",
+        "sparse_attention",
+        "eigenvalue",
+        "progressive_layer_drop",
+        "quantize_training",
+        "nebula",
+        "hybrid_engine",
+        "compile",
+        "timers",
+        "weight_quantization",
+        "tensor_parallel",
+        "zenflow",
+    ]
+)
+"""Top-level keys whose value is a JSON object (DeepSpeed calls ``.get`` / ``**`` on them)."""
 
 OPTIMIZER_PARAMS = {
     "adam": ADAM_PARAMS | TORCH_ADAM_ONLY | DEEPSPEED_ADAM_ONLY,
@@ -241,17 +285,125 @@ def _scheduler_params(name: str) -> set[str] | None:
     return {p for p in inspect.signature(cls.__init__).parameters if p not in ("self", "optimizer")}
 
 
+def shape_problems(cfg: dict[str, Any]) -> list[str]:
+    """Sections that are not JSON objects (checked first: everything after reads them as dicts)."""
+    problems = [
+        f"'{k}' must be a JSON object {{...}}, got {json.dumps(v)[:40]}"
+        for k, v in cfg.items()
+        if k in SECTIONS and not isinstance(v, dict)
+    ]
+    for section in ("optimizer", "scheduler"):
+        node = cfg.get(section)
+        if isinstance(node, dict):
+            if not isinstance(node.get("params", {}), dict):
+                problems.append(
+                    f"'{section}.params' must be a JSON object {{...}}, got {json.dumps(node['params'])[:40]}"
+                )
+            if not isinstance(node.get("type"), str):
+                problems.append(f"'{section}.type' must be a name (a string), got {json.dumps(node.get('type'))[:40]}")
+    return problems
+
+
+def _is_number(value: Any) -> bool:
+    return isinstance(value, int | float) and not isinstance(value, bool) and math.isfinite(value)
+
+
+def _scalar_problems(cfg: dict[str, Any]) -> list[str]:
+    """Top-level numbers and dtype names that DeepSpeed stores unchecked and uses later (a TypeError mid-step)."""
+    problems = []
+    for key in ("gradient_clipping", "gradient_predivide_factor"):
+        if key in cfg and not (_is_number(cfg[key]) and cfg[key] >= 0):
+            problems.append(f"'{key}' must be a number >= 0, got {cfg[key]!r}")
+    if "steps_per_print" in cfg and not (isinstance(cfg["steps_per_print"], int) and cfg["steps_per_print"] >= 1):
+        problems.append(f"'steps_per_print' must be an integer >= 1, got {cfg['steps_per_print']!r}")
+    for key, value in (cfg.get("data_types") or {}).items():
+        if key.endswith("_dtype") and value not in (None, "fp32", "fp16", "bf16"):
+            problems.append(f'\'data_types.{key}\' must be "fp32", "fp16" or "bf16", got {value!r}')
+    return problems
+
+
+def _optimizer_value_problems(params: dict[str, Any]) -> list[str]:
+    """Values torch's and DeepSpeed's optimizers reject at construction (inside ``deepspeed.initialize``)."""
+    problems = []
+    for key in ("eps", "weight_decay", "momentum", "dampening", "lr_decay"):
+        if key in params and not (_is_number(params[key]) and params[key] >= 0):
+            problems.append(f"'optimizer.params.{key}' must be a number >= 0, got {params[key]!r}")
+    if "betas" in params:
+        betas = params["betas"]
+        if not (isinstance(betas, list) and len(betas) == 2 and all(_is_number(b) and 0 <= b < 1 for b in betas)):
+            problems.append(f"'optimizer.params.betas' must be two numbers in [0, 1), got {betas!r}")
+    for key in ("amsgrad", "adam_w_mode", "torch_adam", "fused", "foreach", "bias_correction", "nesterov"):
+        if key in params and not isinstance(params[key], bool):
+            problems.append(f"'optimizer.params.{key}' must be true or false, got {params[key]!r}")
+    return problems
+
+
+def _scheduler_value_problems(name: str, params: dict[str, Any]) -> list[str]:
+    """Each parameter typed like its default in DeepSpeed's schedule class, then the class itself on a dummy
+    optimizer (it checks e.g. ``warmup_num_steps`` >= 1 only when ``deepspeed.initialize`` builds it)."""
+    import torch
+    from deepspeed.runtime import lr_schedules
+
+    cls = getattr(lr_schedules, name)
+    defaults = {k: p.default for k, p in inspect.signature(cls.__init__).parameters.items()}
+    problems = []
+    for key, value in params.items():
+        default = defaults.get(key)
+        if isinstance(default, str) and not isinstance(value, str):
+            problems.append(f"'scheduler.params.{key}' must be a string like {default!r}, got {value!r}")
+        elif (isinstance(default, int | float) or default is None) and not isinstance(default, bool):
+            if not (_is_number(value) or (default is None and value is None)):
+                problems.append(f"'scheduler.params.{key}' must be a finite number, got {value!r}")
+            elif _is_number(value) and value < 0 and key != "last_batch_iteration":
+                problems.append(f"'scheduler.params.{key}' must be >= 0, got {value!r}")
+    if problems:
+        return problems
+    try:
+        with _quiet(logging.getLogger("DeepSpeed")):
+            cls(torch.optim.SGD([torch.nn.Parameter(torch.zeros(1))], lr=1e-3), **params)
+    except (ValueError, TypeError, KeyError, AssertionError) as err:
+        problems.append(f"'scheduler.params' rejected by DeepSpeed's {name} ({err})")
+    return problems
+
+
+@contextlib.contextmanager
+def _quiet(logger: logging.Logger) -> Iterator[None]:
+    """Silence ``logger`` (DeepSpeed's schedules log a warning when built outside a run)."""
+    level = logger.level
+    logger.setLevel(logging.ERROR)
+    try:
+        yield
+    finally:
+        logger.setLevel(level)
+
+
+def deepspeed_problems(cfg: dict[str, Any], batch: BatchMath) -> list[str]:
+    """What DeepSpeed's own config parser (run by ``deepspeed.initialize``) raises for this config, if anything.
+
+    Without a process group it assumes world size 1, so it sees the batch keys of one data-parallel rank (the
+    batch math against the real size is ours, :func:`resolve_batch`)."""
+    from deepspeed.runtime.config import DeepSpeedConfig
+
+    one_rank = {**copy.deepcopy(cfg), "train_batch_size": batch.micro * batch.accum}
+    try:
+        DeepSpeedConfig(one_rank)
+    except Exception as err:  # DeepSpeed raises AssertionError, ValueError, pydantic errors, ...
+        return [f"DeepSpeed rejects it ({type(err).__name__}: {' '.join(str(err).split())[:200]})"]
+    return []
+
+
 def validate(cfg: dict[str, Any]) -> list[str]:
     """Every problem in a resolved config (no "auto" left), as short phrases naming the key."""
     problems = [f"unknown key '{k}' ({_typo_hint(k, KNOWN_TOP_LEVEL)})" for k in cfg if k not in KNOWN_TOP_LEVEL]
     for name, model in _section_models().items():
         if isinstance(cfg.get(name), dict):
             problems += _pydantic_problems(model, cfg[name], name)
+    problems += _scalar_problems(cfg)
     if cfg.get("fp16", {}).get("enabled") and cfg.get("bf16", {}).get("enabled"):
         problems.append("both 'fp16.enabled' and 'bf16.enabled' are true (pick one)")
     if opt := cfg.get("optimizer"):
         lr = opt.get("params", {}).get("lr")
-        if lr != "auto" and not (isinstance(lr, int | float) and math.isfinite(lr) and lr > 0):
+        if lr != "auto" and not (_is_number(lr) and lr > 0):
             problems.append(f"'optimizer.params.lr' must be a positive number, got {lr!r}")
         known = OPTIMIZER_PARAMS.get(str(opt.get("type", "")).lower())
         if known is None:
@@ -262,6 +414,7 @@ def validate(cfg: dict[str, Any]) -> list[str]:
                     problems.append(f"unknown key 'optimizer.params.{k}' ({_typo_hint(k, known)})")
             if str(opt.get("type", "")).lower() in ("adam", "adamw"):
                 problems += _adam_problems(opt.get("params", {}))
+            problems += _optimizer_value_problems(opt.get("params", {}))
     if sched := cfg.get("scheduler"):
         params = sched.get("params", {})
         warmup, total = params.get("warmup_num_steps"), params.get("total_num_steps")
@@ -274,9 +427,10 @@ def validate(cfg: dict[str, Any]) -> list[str]:
         if known is None:
             problems.append(f"'scheduler.type' {sched.get('type')!r} is not a DeepSpeed LR schedule")
         else:
-            for k in sched.get("params", {}):
-                if k not in known:
-                    problems.append(f"unknown key 'scheduler.params.{k}' ({_typo_hint(k, known)})")
+            unknown = [k for k in params if k not in known]
+            problems += [f"unknown key 'scheduler.params.{k}' ({_typo_hint(k, known)})" for k in unknown]
+            if not unknown:
+                problems += _scheduler_value_problems(str(sched["type"]), params)
     return problems
 
 
@@ -432,6 +586,8 @@ def resolve(
     raw = load_json(path)
     cfg = copy.deepcopy({k: v for k, v in raw.items() if not k.startswith("_")})
     apply_overrides(cfg, list(overrides), str(path))
+    if problems := shape_problems(cfg):
+        raise UserError(str(path), "; ".join(problems), "edit the file or override with --ds key=value")
     problems, fixes = [], []
     try:
         batch = resolve_batch(cfg, dp_size, hints)
@@ -449,6 +605,8 @@ def resolve(
     if unresolved:
         fixes.append("give a number")
     problems += validate(cfg)
+    if not problems:
+        problems += deepspeed_problems(cfg, batch)
     if problems:
         fixes.append("edit the file or override with --ds key=value")
         raise UserError(str(path), "; ".join(problems), "; ".join(dict.fromkeys(fixes)))

@@ -2,10 +2,19 @@
 
 from __future__ import annotations
 
+import re
+
+_CONTROL = re.compile(r"[\x00-\x1f\x7f]")
+
+
+def one_line(text: str) -> str:
+    """``text`` with control characters (a newline in a key, a path, a library's message) written as escapes."""
+    return _CONTROL.sub(lambda m: repr(m.group())[1:-1], text)
+
 
 class UserError(Exception):
     """Bad input from the user (a file, a flag, a preset). Printed as one line, exit code 2."""
 
     def __init__(self, where: str, problem: str, fix: str) -> None:
-        self.where, self.problem, self.fix = where, problem, fix
-        super().__init__(f"{where}: {problem}. Fix: {fix}")
+        self.where, self.problem, self.fix = one_line(where), one_line(problem), one_line(fix)
+        super().__init__(f"{self.where}: {self.problem}. Fix: {self.fix}")

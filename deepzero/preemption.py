@@ -54,3 +54,31 @@ class StopRequest:
         self._wait_pending()
         for sig, handler in self._previous.items():
             signal.signal(sig, handler)
+
+
+LAUNCHER_GRACE_S = 30.0
+"""deepspeed/launcher/launch.py ``terminate_process_tree``: SIGTERM to each rank, SIGKILL 30 s later."""
+SAVE_OVERHEAD_S = 2.0
+"""Fixed cost of a save besides writing the bytes: barriers, the agreement step, fsync of the folders (measured
+about 0.5 s for the tiny model on CPU; bench/checkpoint_io.py)."""
+
+
+def predicted_stop_seconds(checkpoint_bytes_per_node: int, write_bytes_per_s: float, step_seconds: float) -> float:
+    """Seconds from SIGTERM to a committed checkpoint: the ranks agree one step after the signal (up to two
+    optimizer steps), then write their node's share of the checkpoint at the disk's speed, fsynced."""
+    return 2 * step_seconds + checkpoint_bytes_per_node / write_bytes_per_s + SAVE_OVERHEAD_S
+
+
+def deadline_warning(
+    checkpoint_bytes_per_node: int, write_bytes_per_s: float, step_seconds: float, grace_s: float = LAUNCHER_GRACE_S
+) -> str | None:
+    """A warning line when a preemption save is predicted to outlast the launcher's grace before SIGKILL."""
+    need = predicted_stop_seconds(checkpoint_bytes_per_node, write_bytes_per_s, step_seconds)
+    if need <= grace_s:
+        return None
+    return (
+        f"a SIGTERM save needs about {need:.0f} s ({checkpoint_bytes_per_node / 1e9:.1f} GB per node at"
+        f" {write_bytes_per_s / 1e6:.0f} MB/s, steps of {step_seconds:.1f} s) but the deepspeed launcher kills"
+        f" ranks {grace_s:.0f} s after SIGTERM. Fix: signal earlier (SLURM --signal=TERM@{int(need * 2)}), write to"
+        " a faster disk, or save more often (--save-interval); see docs/reliability.md"
+    )
