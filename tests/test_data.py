@@ -20,6 +20,7 @@ from deepzero.data import (
     PackedDataset,
     check_enough_rows,
     eval_indices,
+    iter_docs,
     load_meta,
     make_eval_loader,
     make_train_loader,
@@ -27,7 +28,7 @@ from deepzero.data import (
     stdlib_corpus,
     train_tokenizer,
 )
-from deepzero.data.prepare import main, prepare, split_docs
+from deepzero.data.prepare import main, prepare, split_of
 from deepzero.errors import UserError
 
 REPO = Path(__file__).resolve().parent.parent
@@ -145,7 +146,7 @@ def test_bad_jsonl_errors_name_file_and_line(tmp_path: Path) -> None:
         read_corpus([str(path)], fmt="text")
 
 
-def test_parquet_goes_through_load_dataset(tmp_path: Path) -> None:
+def test_parquet_and_hf_datasets_stream(tmp_path: Path) -> None:
     from datasets import Dataset
 
     Dataset.from_dict({"text": ["one", "two"], "id": [1, 2]}).to_parquet(tmp_path / "t.parquet")
@@ -157,6 +158,10 @@ def test_parquet_goes_through_load_dataset(tmp_path: Path) -> None:
     Dataset.from_dict({"body": ["x"]}).to_parquet(tmp_path / "b.parquet")
     with pytest.raises(UserError, match=r"b\.parquet.*no 'text' or 'messages' column"):
         read_corpus([str(tmp_path / "b.parquet")])
+    (tmp_path / "hub").mkdir()  # hf:NAME streams through datasets.load_dataset(streaming=True); a local folder here
+    Dataset.from_dict({"text": ["three", "", "four"]}).to_parquet(tmp_path / "hub" / "train.parquet")
+    docs = list(iter_docs([f"hf:{tmp_path / 'hub'}"]))
+    assert [(d.value, d.where.rsplit(" ", 2)[1:]) for d in docs] == [("three", ["row", "0"]), ("four", ["row", "2"])]
 
 
 # --- prepare: text -----------------------------------------------------------------------------------------------
@@ -165,17 +170,18 @@ def test_parquet_goes_through_load_dataset(tmp_path: Path) -> None:
 def test_prepare_text_packs_documents_with_eos(text_data: Path, corpus_dir: Path, tok_dir: Path) -> None:
     meta = load_meta(text_data)
     assert (meta["format"], meta["seq_len"], meta["dtype"], meta["vocab_size"]) == ("text", 64, "uint16", 512)
-    rows = np.fromfile(text_data / "train.bin", dtype=np.uint16).reshape(-1, 65)
+    assert [s["file"] for s in meta["shards"]["train"]] == ["train-00000.bin"]
+    rows = np.fromfile(text_data / "train-00000.bin", dtype=np.uint16).reshape(-1, 65)
     assert rows.shape[0] == meta["n_rows"]["train"] > 0 and meta["n_rows"]["val"] > 0
-    assert not (text_data / "train.mask.bin").exists()
+    assert not (text_data / "train-00000.mask.bin").exists()
     tok = AutoTokenizer.from_pretrained(tok_dir)
-    docs = split_docs(read_corpus([str(corpus_dir)]).docs, 0.1, seed=0)["train"]
+    docs = [d for d in read_corpus([str(corpus_dir)]).docs if split_of(d, seed=0, val_fraction=0.1) == "train"]
     stream = [t for d in docs for t in [*tok(d, add_special_tokens=False)["input_ids"], tok.eos_token_id]]
     assert rows.reshape(-1).tolist() == stream[: rows.size]
-    ds = PackedDataset(text_data, "train")
-    item = ds[3]
+    item = PackedDataset(text_data, "train", documents=False)[3]
     assert item["input_ids"].tolist() == rows[3, :-1].tolist() and item["labels"].tolist() == rows[3, 1:].tolist()
     assert item["shift_labels"] is item["labels"] and item["input_ids"].dtype == torch.long
+    assert item["position_ids"].tolist() == list(range(64))
 
 
 def test_prepare_is_idempotent_and_reruns_on_change(tmp_path: Path, corpus_dir: Path, capsys) -> None:
@@ -186,17 +192,17 @@ def test_prepare_is_idempotent_and_reruns_on_change(tmp_path: Path, corpus_dir: 
     first = prepare([str(src)], out, **args)
     assert AutoTokenizer.from_pretrained(out / "tokenizer").eos_token == "<|eos|>"
     assert first["tokenizer"] == str((out / "tokenizer").resolve())
-    stamp = (out / "train.bin").stat().st_mtime_ns
+    stamp = (out / "train-00000.bin").stat().st_mtime_ns
     capsys.readouterr()
     assert prepare([str(src)], out, **args) == first
-    assert "up to date" in capsys.readouterr().out and (out / "train.bin").stat().st_mtime_ns == stamp
+    assert "up to date" in capsys.readouterr().out and (out / "train-00000.bin").stat().st_mtime_ns == stamp
     assert prepare([str(src)], out, **{**args, "seq_len": 32})["seq_len"] == 32  # a setting changed
     assert "up to date" not in capsys.readouterr().out
     edited = sorted(src.iterdir())[0]
     edited.write_text(edited.read_text() + "\n# edited\n")  # an input changed
     assert prepare([str(src)], out, **{**args, "seq_len": 32})["fingerprint"] != first["fingerprint"]
     assert "up to date" not in capsys.readouterr().out
-    (out / "val.bin").unlink()  # a damaged output is rebuilt
+    (out / "val-00000.bin").unlink()  # a damaged output is rebuilt
     assert prepare([str(src)], out, **{**args, "seq_len": 32})["n_rows"]["val"] > 0
     assert "up to date" not in capsys.readouterr().out
     # reuse the tokenizer that lives inside the folder being replaced
@@ -244,11 +250,13 @@ def _pieces(tok, chats: list) -> list[tuple[str, bool]]:
 
 def test_chat_labels_only_assistant_tokens(chat_data: Path, tok_dir: Path) -> None:
     meta = load_meta(chat_data)
-    assert meta["format"] == "chat" and meta["n_docs"] == {"train": 9, "val": 3}
+    chats = {s: [c for c in CHATS if split_of(c, 0, 0.25) == s] for s in ("train", "val")}
+    assert meta["format"] == "chat" and meta["n_docs"] == {s: len(c) for s, c in chats.items()}
+    assert 0 < len(chats["val"]) < len(CHATS)
     tok = AutoTokenizer.from_pretrained(tok_dir)
     for split in ("train", "val"):
         ds = PackedDataset(chat_data, split)
-        raw = np.fromfile(chat_data / f"{split}.bin", dtype=np.uint16).reshape(len(ds), 97)
+        raw = np.fromfile(chat_data / f"{split}-00000.bin", dtype=np.uint16).reshape(len(ds), 97)
         got: list[tuple[str, bool]] = []
         for i in range(len(ds)):
             labels = ds[i]["labels"]
@@ -259,9 +267,8 @@ def test_chat_labels_only_assistant_tokens(chat_data: Path, tok_dir: Path) -> No
             assert not any(is_target[j] for j in range(97) if j not in keep)  # padding is never trained
             for flag, run in itertools.groupby(keep, key=lambda j: is_target[j]):
                 got.append((tok.decode(raw[i, list(run)]), flag))
-        chats = split_docs(CHATS, 0.25, seed=0)[split]
-        assert got == _pieces(tok, chats)
-        answers = [m["content"] + "<|eos|>" for c in chats for m in c if m["role"] == "assistant"]
+        assert got == _pieces(tok, chats[split])
+        answers = [m["content"] + "<|eos|>" for c in chats[split] for m in c if m["role"] == "assistant"]
         assert [text for text, flag in got if flag] == answers
 
 
@@ -274,6 +281,57 @@ def test_chat_without_template_names_the_tokenizer(tmp_path: Path, tok_dir: Path
         prepare([str(chat_jsonl)], tmp_path / "out", tokenizer=str(plain), seq_len=96)
 
 
+# --- per-document position_ids ------------------------------------------------------------------------------------
+
+
+def test_text_rows_restart_positions_after_each_eos(text_data: Path, corpus_dir: Path, tok_dir: Path) -> None:
+    tok = AutoTokenizer.from_pretrained(tok_dir)
+    eos = tok.eos_token_id
+    docs = [d for d in read_corpus([str(corpus_dir)]).docs if split_of(d, seed=0, val_fraction=0.1) == "train"]
+    encoded = [tok(d, add_special_tokens=False)["input_ids"] for d in docs]
+    ds, stream = PackedDataset(text_data, "train"), PackedDataset(text_data, "train", documents=False)
+    restarts = 0
+    for i in range(len(ds)):
+        item, plain = ds[i], stream[i]
+        ids, pos, labels = item["input_ids"], item["position_ids"], item["labels"]
+        assert pos.dtype == torch.long and pos.shape == ids.shape == (64,) and pos[0] == 0
+        assert torch.equal(ids, plain["input_ids"]) and plain["position_ids"].tolist() == list(range(64))
+        after_eos = torch.cat([torch.tensor([False]), ids[:-1] == eos])
+        assert torch.equal(pos == 0, after_eos | (torch.arange(64) == 0))  # restarts exactly after each eos
+        assert torch.equal(pos[1:][~after_eos[1:]], pos[:-1][~after_eos[1:]] + 1)  # counts up in between
+        assert torch.equal(labels == IGNORE_INDEX, ids == eos)  # no target across a document boundary
+        kept = labels != IGNORE_INDEX
+        assert torch.equal(labels[kept], plain["labels"][kept]) and (plain["labels"] != IGNORE_INDEX).all()
+        for k in torch.nonzero(after_eos).flatten().tolist():  # a restart begins one of the documents
+            n = int((pos[k:] == torch.arange(64 - k)).cumprod(0).sum())
+            assert any(e[:n] == ids[k : k + n].tolist() for e in encoded)
+            restarts += 1
+    assert restarts >= 5
+
+
+def test_chat_rows_restart_positions_at_conversation_starts(chat_data: Path, tok_dir: Path) -> None:
+    tok = AutoTokenizer.from_pretrained(tok_dir)
+    bos, eos = tok.bos_token_id, tok.eos_token_id
+    ds, stream = PackedDataset(chat_data, "train"), PackedDataset(chat_data, "train", documents=False)
+    mask = np.fromfile(chat_data / "train-00000.mask.bin", dtype=np.uint8).reshape(len(ds), 97)
+    raw = np.fromfile(chat_data / "train-00000.bin", dtype=np.uint16).reshape(len(ds), 97)
+    assert set(np.unique(mask).tolist()) == {0, 1, 2}
+    assert np.array_equal((mask & 2) != 0, raw == bos)  # bit 1 marks each conversation's first token (its <|bos|>)
+    several = 0
+    for i in range(len(ds)):
+        item, plain = ds[i], stream[i]
+        ids, pos, labels = item["input_ids"], item["position_ids"], item["labels"]
+        starts = (ids == bos) | (torch.arange(96) == 0)
+        assert torch.equal(pos == 0, starts)  # eos inside a multi-turn chat does not restart positions
+        assert int(((ids == eos) & (pos != 0)).sum()) > int(starts.sum())
+        assert torch.equal(pos[1:][~starts[1:]], pos[:-1][~starts[1:]] + 1)  # padding keeps counting
+        assert torch.equal(labels, plain["labels"])  # a conversation's start is never a target anyway
+        assert plain["position_ids"].tolist() == list(range(96))
+        assert (labels[torch.from_numpy(mask[i, 1:] & 1 == 0)] == IGNORE_INDEX).all()
+        several += int(starts.sum()) > 1
+    assert several > 0  # some rows hold more than one conversation
+
+
 # --- dataset, sampler, loaders -----------------------------------------------------------------------------------
 
 
@@ -284,9 +342,9 @@ def test_load_meta_errors(tmp_path: Path, text_data: Path) -> None:
         load_meta(tmp_path)
     broken = tmp_path / "broken"
     shutil.copytree(text_data, broken)
-    with (broken / "val.bin").open("r+b") as fh:
+    with (broken / "val-00000.bin").open("r+b") as fh:
         fh.truncate(10)
-    with pytest.raises(UserError, match=r"val\.bin: expected \d+ bytes"):
+    with pytest.raises(UserError, match=r"val-00000\.bin: expected \d+ bytes"):
         PackedDataset(broken, "val")
     with pytest.raises(UserError, match="fewer than one global batch of 24"):
         check_enough_rows(10, 24, "train")

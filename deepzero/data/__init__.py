@@ -1,10 +1,11 @@
-"""Data pipeline: a local BPE tokenizer, input readers, and packed datasets with a resumable sampler.
+"""Data pipeline: a local BPE tokenizer, streaming input readers, and sharded packed datasets with a resumable sampler.
 
 The build step is ``from deepzero.data.prepare import prepare`` (or ``python -m deepzero.data.prepare``); it is not
 imported here, so that running it with ``-m`` does not import the module twice.
 """
 
 from deepzero.data.dataset import (
+    FORMAT_VERSION,
     IGNORE_INDEX,
     GlobalBatchSampler,
     PackedDataset,
@@ -14,17 +15,20 @@ from deepzero.data.dataset import (
     make_eval_loader,
     make_train_loader,
 )
-from deepzero.data.sources import Corpus, read_corpus
+from deepzero.data.sources import Corpus, Doc, iter_docs, read_corpus
 from deepzero.data.tokenizer import SPECIAL_TOKENS, stdlib_corpus, train_tokenizer, train_tokenizer_from_texts
 
 __all__ = [
+    "FORMAT_VERSION",
     "IGNORE_INDEX",
     "SPECIAL_TOKENS",
     "Corpus",
+    "Doc",
     "GlobalBatchSampler",
     "PackedDataset",
     "check_enough_rows",
     "eval_indices",
+    "iter_docs",
     "load_meta",
     "make_eval_loader",
     "make_train_loader",

@@ -1,17 +1,26 @@
-"""Reading prepared data: packed token rows on disk, a resumable global-batch sampler, and the loaders.
+"""Reading prepared data: sharded token rows on disk, a resumable global-batch sampler, and the loaders.
 
-On-disk format (written by :mod:`deepzero.data.prepare`): ``<dir>/meta.json``; ``<dir>/{train,val}.bin``, a raw
-C-order array of shape ``[n_rows, seq_len + 1]`` and dtype ``meta["dtype"]``; for chat data also
-``<dir>/{train,val}.mask.bin``, uint8 of the same shape, 1 where the token is a training target (assistant text).
+On-disk format (written by :mod:`deepzero.data.prepare`, ``format_version`` 2): ``<dir>/meta.json`` lists each
+split's shards in order, ``meta["shards"][split] = [{"file": "train-00000.bin", "rows": n}, ...]``. A shard is a
+raw C-order array of shape ``[rows, seq_len + 1]`` and dtype ``meta["dtype"]``; the split's rows are its shards'
+rows in that order. Chat data adds a ``.mask.bin`` twin per shard (``train-00000.mask.bin``), uint8 of the same
+shape: bit 0 (value 1) marks a training target (assistant text), bit 1 (value 2) the first token of a conversation.
 
 Each row yields ``input_ids = row[:-1]`` and targets ``row[1:]``, already shifted. Transformers' causal-LM loss
 shifts ``labels`` itself unless it is given ``shift_labels``, and it only computes a loss when ``labels`` is not None,
 so a sample carries both keys holding the same shifted targets: ``model(**batch).loss`` is then the mean
 cross-entropy of ``logits[:, t]`` against ``row[t + 1]`` over every position (tested for DeepseekV3ForCausalLM).
+
+With ``documents=True`` (the default) a sample also carries ``position_ids`` that restart at 0 at each document
+start inside the row (text: the token after an ``eos_token_id``; chat: mask bit 1), and the target of a document's
+last position is -100 when the next token starts another document: no prediction across documents. The first
+position of a row is 0 even when the row starts inside a document. ``documents=False`` is stream packing:
+``position_ids = arange(seq_len)`` and no extra -100.
 """
 
 from __future__ import annotations
 
+import bisect
 import json
 import signal
 from collections.abc import Iterator
@@ -25,19 +34,28 @@ from torch.utils.data import DataLoader, Dataset, Subset
 from deepzero.errors import UserError
 
 META_FILE = "meta.json"
+FORMAT_VERSION = 2
+"""1: one ``{split}.bin`` per split, 0/1 chat masks. 2: shards listed in meta.json, chat mask bit 1 = start."""
 SPLITS = ("train", "val")
 IGNORE_INDEX = -100
+MASK_TARGET, MASK_START = 1, 2
 _PREPARE = "run python data/prepare.py --input stdlib --tokenizer train --out {dir}"
 
 
-def split_files(data_dir: Path | str, split: str) -> tuple[Path, Path]:
-    """The token file and the loss-mask file (chat only) of one split."""
+def shard_files(data_dir: Path | str, name: str) -> tuple[Path, Path]:
+    """The token file and the loss-mask twin (chat only) of one shard, e.g. ``train-00000.bin``."""
     d = Path(data_dir)
-    return d / f"{split}.bin", d / f"{split}.mask.bin"
+    stem = name.removesuffix(".bin")
+    return d / f"{stem}.bin", d / f"{stem}.mask.bin"
+
+
+def shard_name(split: str, index: int) -> str:
+    """The token file name of a split's ``index``-th shard."""
+    return f"{split}-{index:05d}.bin"
 
 
 def load_meta(data_dir: Path | str) -> dict[str, Any]:
-    """Read ``meta.json`` and check that every split file is there with the size it promises."""
+    """Read ``meta.json`` and check that every shard is there with the size it promises."""
     d = Path(data_dir)
     fix = _PREPARE.format(dir=d)
     if not d.is_dir():
@@ -46,17 +64,18 @@ def load_meta(data_dir: Path | str) -> dict[str, Any]:
     if not meta_path.is_file():
         raise UserError(str(meta_path), "missing, so the data folder was never prepared (or not finished)", fix)
     meta = _read_meta(meta_path, fix)
-    row_bytes = (meta["seq_len"] + 1) * np.dtype(meta["dtype"]).itemsize
+    row_len = meta["seq_len"] + 1
+    row_bytes = row_len * np.dtype(meta["dtype"]).itemsize
     for split in SPLITS:
-        n_rows = meta["n_rows"][split]
-        tokens, mask = split_files(d, split)
-        expected = [(tokens, n_rows * row_bytes)]
-        if _has_mask(meta):
-            expected.append((mask, n_rows * (meta["seq_len"] + 1)))
-        for path, size in expected:
-            if not path.is_file() or path.stat().st_size != size or size == 0:
-                found = path.stat().st_size if path.is_file() else "missing"
-                raise UserError(str(path), f"expected {size} bytes ({n_rows} rows), found {found}", fix)
+        for shard in meta["shards"][split]:
+            tokens, mask = shard_files(d, shard["file"])
+            expected = [(tokens, shard["rows"] * row_bytes)]
+            if _has_mask(meta):
+                expected.append((mask, shard["rows"] * row_len))
+            for path, size in expected:
+                if not path.is_file() or path.stat().st_size != size or size == 0:
+                    found = path.stat().st_size if path.is_file() else "missing"
+                    raise UserError(str(path), f"expected {size} bytes ({shard['rows']} rows), found {found}", fix)
     return meta
 
 
@@ -66,6 +85,13 @@ def _read_meta(meta_path: Path, fix: str) -> dict[str, Any]:
         meta = json.loads(meta_path.read_text())
     except (json.JSONDecodeError, UnicodeDecodeError) as err:
         raise UserError(str(meta_path), f"not valid JSON ({err})", fix) from None
+    if isinstance(meta, dict) and meta.get("format_version", 1) != FORMAT_VERSION:
+        raise UserError(
+            str(meta_path),
+            f"written in data format {meta.get('format_version', 1)}, this code reads format {FORMAT_VERSION} "
+            "(sharded rows)",
+            f"re-run python data/prepare.py with the same --input, --tokenizer and --seq-len and --out {meta_path.parent}",
+        )
     problems = []
     if not isinstance(meta, dict):
         meta, problems = {}, ["top level is not a JSON object"]
@@ -76,9 +102,26 @@ def _read_meta(meta_path: Path, fix: str) -> dict[str, Any]:
     rows = meta.get("n_rows")
     if not (isinstance(rows, dict) and all(isinstance(rows.get(s), int) and rows[s] >= 0 for s in SPLITS)):
         problems.append(f"'n_rows' must map {' and '.join(SPLITS)} to row counts, got {rows!r}")
+    elif not _shards_match(meta.get("shards"), rows):
+        problems.append("'shards' must list each split's files and rows, adding up to 'n_rows'")
     if problems:
         raise UserError(str(meta_path), "; ".join(problems), fix)
     return meta
+
+
+def _shards_match(shards: Any, rows: dict[str, int]) -> bool:
+    if not isinstance(shards, dict):
+        return False
+    for split in SPLITS:
+        listed = shards.get(split)
+        if not isinstance(listed, list) or not all(
+            isinstance(s, dict) and isinstance(s.get("file"), str) and isinstance(s.get("rows"), int) and s["rows"] > 0
+            for s in listed
+        ):
+            return False
+        if sum(s["rows"] for s in listed) != rows[split]:
+            return False
+    return True
 
 
 def check_enough_rows(n_rows: int, global_batch: int, split: str) -> None:
@@ -96,37 +139,77 @@ def _has_mask(meta: dict[str, Any]) -> bool:
 
 
 class PackedDataset(Dataset):
-    """Rows of one split, read lazily through ``np.memmap`` (safe to hand to DataLoader workers)."""
+    """Rows of one split over any number of shards, read lazily through ``np.memmap`` (picklable for DataLoader
+    workers). Row ``i`` of the split is row ``i - start`` of the shard whose row range holds it."""
 
-    def __init__(self, data_dir: Path | str, split: str) -> None:
+    def __init__(self, data_dir: Path | str, split: str, documents: bool = True) -> None:
         if split not in SPLITS:
             raise UserError("split", f"unknown split '{split}'", f"use one of {SPLITS}")
         self.meta = load_meta(data_dir)
-        self.data_dir, self.split = Path(data_dir), split
+        self.data_dir, self.split, self.documents = Path(data_dir), split, documents
         self.seq_len: int = self.meta["seq_len"]
         self.n_rows: int = self.meta["n_rows"][split]
-        self._rows: np.ndarray | None = None
-        self._mask: np.ndarray | None = None
+        self.shards: list[dict[str, Any]] = self.meta["shards"][split]
+        self.starts: list[int] = np.cumsum([0] + [s["rows"] for s in self.shards])[:-1].tolist()
+        self.eos: int | None = self.meta.get("eos_token_id")
+        self._rows: list[np.ndarray] | None = None
+        self._mask: list[np.ndarray] | None = None
 
     def __len__(self) -> int:
         return self.n_rows
 
     def _open(self) -> None:
-        shape = (self.n_rows, self.seq_len + 1)
-        tokens, mask = split_files(self.data_dir, self.split)
-        self._rows = np.memmap(tokens, dtype=self.meta["dtype"], mode="r", shape=shape)
-        if _has_mask(self.meta):
-            self._mask = np.memmap(mask, dtype=np.uint8, mode="r", shape=shape)
+        self._rows, self._mask = [], []
+        for shard in self.shards:
+            shape = (shard["rows"], self.seq_len + 1)
+            tokens, mask = shard_files(self.data_dir, shard["file"])
+            self._rows.append(np.memmap(tokens, dtype=self.meta["dtype"], mode="r", shape=shape))
+            if _has_mask(self.meta):
+                self._mask.append(np.memmap(mask, dtype=np.uint8, mode="r", shape=shape))
 
-    def __getitem__(self, i: int) -> dict[str, torch.Tensor]:
-        """``input_ids`` = row[:-1]; ``labels`` = ``shift_labels`` = row[1:] with -100 where not trained."""
+    def row(self, i: int) -> tuple[np.ndarray, np.ndarray | None]:
+        """Row ``i`` of the split (``seq_len + 1`` tokens) and its mask (chat only)."""
+        if not 0 <= i < self.n_rows:
+            raise IndexError(f"row {i} out of range for {self.n_rows} rows")
         if self._rows is None:
             self._open()
-        row = torch.from_numpy(self._rows[i].astype(np.int64))
-        targets = row[1:].clone()
-        if self._mask is not None:
-            targets[torch.from_numpy(self._mask[i, 1:] == 0)] = IGNORE_INDEX
-        return {"input_ids": row[:-1], "labels": targets, "shift_labels": targets}
+        k = bisect.bisect_right(self.starts, i) - 1
+        j = i - self.starts[k]
+        return self._rows[k][j], (self._mask[k][j] if self._mask else None)
+
+    def __getitem__(self, i: int) -> dict[str, torch.Tensor]:
+        """``input_ids`` = row[:-1]; ``labels`` = ``shift_labels`` = row[1:] with -100 where not trained;
+        ``position_ids`` per document (or ``arange`` with ``documents=False``)."""
+        tokens, mask = self.row(int(i))
+        row = tokens.astype(np.int64)
+        ignore = np.zeros(self.seq_len, dtype=bool)
+        if mask is not None:
+            ignore |= (mask[1:] & MASK_TARGET) == 0
+        positions = np.arange(self.seq_len, dtype=np.int64)
+        if self.documents:
+            starts = self._doc_starts(row, mask)  # per row position: a document starts here
+            ignore |= starts[1:]  # the next token starts another document
+            first = np.maximum.accumulate(np.where(starts[:-1], positions, 0))
+            positions -= first
+        targets = torch.from_numpy(np.where(ignore, IGNORE_INDEX, row[1:]))
+        return {
+            "input_ids": torch.from_numpy(row[:-1]),
+            "labels": targets,
+            "shift_labels": targets,
+            "position_ids": torch.from_numpy(positions),
+        }
+
+    def _doc_starts(self, row: np.ndarray, mask: np.ndarray | None) -> np.ndarray:
+        """Over the ``seq_len + 1`` row positions: True where a document starts (position 0 excluded)."""
+        if mask is not None:
+            starts = (mask & MASK_START) != 0
+        elif self.eos is not None:
+            starts = np.zeros(len(row), dtype=bool)
+            starts[1:] = row[:-1] == self.eos
+        else:
+            return np.zeros(len(row), dtype=bool)
+        starts[0] = False
+        return starts
 
     def __getstate__(self) -> dict[str, Any]:
         return {**self.__dict__, "_rows": None, "_mask": None}

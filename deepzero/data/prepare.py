@@ -1,26 +1,41 @@
-"""Tokenize documents and pack them into fixed-length rows on disk; idempotent, prints what it did.
+"""Tokenize documents and pack them into fixed-length rows, in shards; streaming, parallel, deterministic.
 
     python -m deepzero.data.prepare --input stdlib --tokenizer train --seq-len 256 --out artifacts/data/stdlib
 
+Documents stream from the readers (:mod:`deepzero.data.sources`) in numbered batches of about 1 MB to ``--workers``
+processes (default: every core) that tokenize them; results are taken back in batch order, so the output is the
+same byte for byte whatever the worker count, and only a few batches per worker are ever in memory. A document
+goes to val when a hash of (seed, its content) falls below ``--val-fraction``, so the split needs no corpus size;
+if no val row comes of that (a tiny corpus), the last train documents, enough for one row, go to val instead.
+
 Plain text: every document is tokenized, gets ``<eos>`` appended, and the stream is cut into rows of ``seq_len + 1``
 tokens (the trailing remainder is dropped). Chat (``messages`` JSONL): each conversation is rendered with the
-tokenizer's chat template, only assistant turns (their text and closing token) are marked as targets, and
-conversations are packed whole into rows (one longer than a row is truncated), the rest of a row being padding.
-Documents are split into train/val before tokenizing, deterministically by ``--seed``. See
-:mod:`deepzero.data.dataset` for the on-disk format.
+tokenizer's chat template, only assistant turns (their text and closing token) are marked as targets (mask bit 0),
+the first token of each conversation is marked as a start (mask bit 1), and conversations are packed whole into
+rows (one longer than a row is truncated), the rest of a row being padding. Rows go to shards of at most
+``--shard-mb`` each, written in a temp folder that is renamed into place at the end: a failed or killed run
+publishes nothing. ``--tokenizer train`` trains a BPE on the first ``--tokenizer-sample-mb`` of train documents.
+See :mod:`deepzero.data.dataset` for the on-disk format.
 """
 
 from __future__ import annotations
 
 import argparse
+import contextlib
 import hashlib
 import json
+import multiprocessing
 import os
+import resource
 import shutil
+import signal
 import sys
 import time
-from collections.abc import Sequence
-from dataclasses import dataclass
+from collections import deque
+from collections.abc import Iterable, Iterator, Sequence
+from concurrent.futures import Future, ProcessPoolExecutor
+from concurrent.futures.process import BrokenProcessPool
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, BinaryIO
 
@@ -28,14 +43,21 @@ import numpy as np
 from tqdm import tqdm
 from transformers import AutoTokenizer, PreTrainedTokenizerBase
 
-from deepzero.data.dataset import META_FILE, load_meta, split_files
-from deepzero.data.sources import Chat, Format, describe_inputs, read_corpus
+from deepzero.data.dataset import FORMAT_VERSION, MASK_START, MASK_TARGET, META_FILE, load_meta, shard_files, shard_name
+from deepzero.data.sources import Chat, Doc, Format, doc_text, input_bytes, inputs_digest, iter_docs
 from deepzero.data.tokenizer import train_tokenizer_from_texts
 from deepzero.errors import UserError
 
-FORMAT_VERSION = 1
-BATCH_DOCS = 256
+BATCH_BYTES = 1 << 20
+"""Input bytes per batch handed to a worker (a batch also ends at ``BATCH_DOCS`` documents)."""
+BATCH_DOCS = 4096
+IN_FLIGHT_PER_WORKER = 4
+"""Batches submitted ahead per worker: enough to keep them busy, few enough to bound memory."""
+DEFAULT_SHARD_MB = 256
+TOKENIZER_SAMPLE_MB = 64
+_FLUSH_TOKENS = 1 << 22
 _TOKENIZER_SUFFIXES = frozenset({".json", ".jinja", ".txt", ".model", ".tiktoken"})
+_SKIPPED_LISTED = 10
 
 
 @dataclass
@@ -47,9 +69,11 @@ class SplitStats:
     n_tokens: int = 0
     """Tokens stored in rows, padding excluded."""
     n_target_tokens: int = 0
-    """Tokens that are training targets."""
+    """Tokens that are training targets (text: every next token of the stream)."""
     n_dropped: int = 0
     """Text: tail tokens that did not fill a row. Chat: conversations truncated to one row."""
+    shards: list[dict[str, Any]] = field(default_factory=list)
+    """``{"file": ..., "rows": ...}`` per shard, in order."""
 
 
 def prepare(
@@ -62,35 +86,51 @@ def prepare(
     vocab_size: int = 4096,
     seed: int = 0,
     force: bool = False,
+    workers: int | None = None,
+    shard_mb: float = DEFAULT_SHARD_MB,
+    skip_bad: bool = False,
+    tokenizer_sample_mb: float = TOKENIZER_SAMPLE_MB,
 ) -> dict[str, Any]:
     """Build ``out`` (see module docstring) unless it is already up to date; return its ``meta.json`` contents."""
     out = Path(out)
-    _check_args(seq_len, val_fraction, fmt)
-    fingerprint = _fingerprint(inputs, tokenizer, seq_len, val_fraction, fmt, vocab_size, seed)
+    workers = workers or len(os.sched_getaffinity(0))
+    _check_args(seq_len, val_fraction, fmt, workers, shard_mb)
+    settings = {"shard_mb": shard_mb, "skip_bad": skip_bad}
+    if tokenizer == "train":
+        settings["tokenizer_sample_mb"] = tokenizer_sample_mb
+    fingerprint = _fingerprint(inputs, tokenizer, seq_len, val_fraction, fmt, vocab_size, seed, settings)
     old = _existing_meta(out)
     if old is not None and old.get("fingerprint") == fingerprint and not force and _files_intact(out):
         print(f"prepare: {out} up to date ({old['n_rows']['train']} train / {old['n_rows']['val']} val rows)")
         return old
     start = time.perf_counter()
     loaded = None if tokenizer == "train" else _load_tokenizer(tokenizer)
-    corpus = read_corpus(inputs, fmt)
-    docs = split_docs(corpus.docs, val_fraction, seed)
-    print(f"prepare: {len(corpus.docs)} {corpus.format} documents: {len(docs['train'])} train, {len(docs['val'])} val")
+    total_bytes = input_bytes(inputs)
     out.parent.mkdir(parents=True, exist_ok=True)
+    _remove_stale_temps(out)
     tmp = out.parent / f".{out.name}.tmp-{os.getpid()}"
     shutil.rmtree(tmp, ignore_errors=True)
     tmp.mkdir()
+    bad = _BadInput(skip_bad)
     try:
         if loaded is None:
-            tok, tok_ref = _train_tokenizer(docs["train"], vocab_size, out, tmp)
+            sample = int(tokenizer_sample_mb * 2**20)
+            tok, tok_ref = _train_tokenizer(inputs, fmt, seed, val_fraction, vocab_size, sample, skip_bad, out, tmp)
         else:
             tok, tok_ref = loaded, _tokenizer_ref(tokenizer, out, tmp)
+        docs = iter_docs(inputs, fmt, bad)
+        first = next(docs)
+        chat = not isinstance(first.value, str)
+        _check_tokenizer(tok, tokenizer, chat)
         dtype = np.dtype(np.uint16 if len(tok) < 2**16 else np.uint32)
-        write = _write_chat if corpus.format == "chat" else _write_text
-        stats = {split: write(part, tok, tokenizer, tmp, split, seq_len + 1, dtype) for split, part in docs.items()}
+        encoder = _Encoder(tok, tokenizer, chat, seed, val_fraction, dtype.name)
+        layout = _Layout(tmp, seq_len + 1, dtype, max(1, int(shard_mb * 2**20) // ((seq_len + 1) * dtype.itemsize)))
+        pad = tok.pad_token_id if tok.pad_token_id is not None else tok.eos_token_id
+        with _Progress(total_bytes) as progress:
+            stats = _write_splits(_chain(first, docs), encoder, workers, layout, chat, pad, progress)
         meta = {
             "format_version": FORMAT_VERSION,
-            "format": corpus.format,
+            "format": "chat" if chat else "text",
             "seq_len": seq_len,
             "dtype": dtype.name,
             "vocab_size": len(tok),
@@ -101,55 +141,79 @@ def prepare(
             "n_rows": {s: v.n_rows for s, v in stats.items()},
             "n_tokens": {s: v.n_tokens for s, v in stats.items()},
             "n_target_tokens": {s: v.n_target_tokens for s, v in stats.items()},
+            "n_dropped": {s: v.n_dropped for s, v in stats.items()},
+            "shards": {s: v.shards for s, v in stats.items()},
+            "mask_bits": {"target": MASK_TARGET, "doc_start": MASK_START} if chat else None,
+            "skipped": {"count": bad.count, "first": bad.listed},
             "tokenizer": tok_ref,
             "inputs": list(inputs),
+            "input_bytes": progress.n_bytes,
             "val_fraction": val_fraction,
+            "split": "val when blake2b(key=str(seed), content) as a fraction of 2**64 < val_fraction",
             "seed": seed,
+            "shard_mb": shard_mb,
             "fingerprint": fingerprint,
             "seconds": round(time.perf_counter() - start, 2),
+            "stream_seconds": round(progress.seconds, 2),
+            "stream_cpu_seconds": round(progress.cpu_seconds, 2),
         }
         (tmp / META_FILE).write_text(json.dumps(meta, indent=2) + "\n")
         _publish(tmp, out)
     finally:
         shutil.rmtree(tmp, ignore_errors=True)
-    print(f"prepare: wrote {out} in {meta['seconds']:.1f} s")
+    print(_summary(meta, out, progress, workers))
     return meta
 
 
-def split_docs(docs: list[Any], val_fraction: float, seed: int) -> dict[str, list[Any]]:
-    """Document-level train/val split: ``round(n * val_fraction)`` (at least 1) documents chosen by ``seed``."""
-    n = len(docs)
-    if n < 2:
-        raise UserError("--input", f"only {n} document, cannot split train/val by document", "pass more documents")
-    n_val = min(n - 1, max(1, round(n * val_fraction)))
-    val = set(np.random.default_rng(seed).permutation(n)[:n_val].tolist())
-    return {
-        "train": [d for i, d in enumerate(docs) if i not in val],
-        "val": [d for i, d in enumerate(docs) if i in val],
-    }
+def split_of(value: str | Chat, seed: int, val_fraction: float) -> str:
+    """``"val"`` when the document's hash under ``seed`` falls below ``val_fraction``, else ``"train"``."""
+    digest = hashlib.blake2b(_doc_key(value), digest_size=8, key=str(seed).encode()).digest()
+    return "val" if int.from_bytes(digest, "little") < val_fraction * 2**64 else "train"
 
 
-def _check_args(seq_len: int, val_fraction: float, fmt: str) -> None:
+def _doc_key(value: str | Chat) -> bytes:
+    text = value if isinstance(value, str) else json.dumps(value, sort_keys=True, ensure_ascii=False)
+    return text.encode("utf-8", "surrogatepass")
+
+
+def _chain(first: Doc, rest: Iterator[Doc]) -> Iterator[Doc]:
+    yield first
+    yield from rest
+
+
+def _check_args(seq_len: int, val_fraction: float, fmt: str, workers: int, shard_mb: float) -> None:
     if seq_len < 1:
         raise UserError("--seq-len", f"must be positive, got {seq_len}", "pass e.g. --seq-len 256")
     if not 0 < val_fraction < 1:
         raise UserError("--val-fraction", f"must be between 0 and 1, got {val_fraction}", "pass e.g. 0.02")
     if fmt not in ("auto", "text", "chat"):
         raise UserError("--format", f"unknown format '{fmt}'", "use auto, text or chat")
+    if workers < 1:
+        raise UserError("--workers", f"must be at least 1, got {workers}", "pass e.g. --workers 4, or leave it out")
+    if not shard_mb > 0:
+        raise UserError("--shard-mb", f"must be positive, got {shard_mb}", f"pass e.g. --shard-mb {DEFAULT_SHARD_MB}")
 
 
 def _fingerprint(
-    inputs: Sequence[str], tokenizer: str, seq_len: int, val_fraction: float, fmt: str, vocab_size: int, seed: int
+    inputs: Sequence[str],
+    tokenizer: str,
+    seq_len: int,
+    val_fraction: float,
+    fmt: str,
+    vocab_size: int,
+    seed: int,
+    settings: dict[str, Any],
 ) -> str:
     """Hash of everything the output depends on: inputs (paths, sizes, mtimes), tokenizer, and the settings."""
     blob = {
         "version": FORMAT_VERSION,
-        "inputs": describe_inputs(inputs),
+        "inputs": inputs_digest(inputs),
         "tokenizer": _tokenizer_fingerprint(tokenizer, vocab_size),
         "seq_len": seq_len,
         "val_fraction": val_fraction,
         "format": fmt,
         "seed": seed,
+        **settings,
     }
     return hashlib.sha256(json.dumps(blob, sort_keys=True).encode()).hexdigest()[:16]
 
@@ -190,6 +254,24 @@ def _files_intact(out: Path) -> bool:
     return True
 
 
+def _remove_stale_temps(out: Path) -> None:
+    """Delete temp folders of earlier runs into ``out`` that were killed (their process is gone)."""
+    for tmp in out.parent.glob(f".{out.name}.tmp-*"):
+        pid = tmp.name.rsplit("-", 1)[-1]
+        if pid.isdigit() and not _alive(int(pid)):
+            shutil.rmtree(tmp, ignore_errors=True)
+
+
+def _alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        return True
+    return True
+
+
 def _load_tokenizer(spec: str) -> PreTrainedTokenizerBase:
     """Load a saved tokenizer folder or a hub id; a path that is not a folder fails at once (no hub retries)."""
     looks_local = spec.startswith((".", "/", "~")) or spec.count("/") > 1 or Path(spec).exists()
@@ -207,11 +289,31 @@ def _load_tokenizer(spec: str) -> PreTrainedTokenizerBase:
 
 
 def _train_tokenizer(
-    train_docs: list[Any], vocab_size: int, out: Path, tmp: Path
+    inputs: Sequence[str],
+    fmt: Format,
+    seed: int,
+    val_fraction: float,
+    vocab_size: int,
+    sample_bytes: int,
+    skip_bad: bool,
+    out: Path,
+    tmp: Path,
 ) -> tuple[PreTrainedTokenizerBase, str]:
-    """Train on the train split (message contents for chat) into ``<out>/tokenizer``; return it and that path."""
-    texts = (d if isinstance(d, str) else "\n".join(m["content"] for m in d) for d in train_docs)
-    tok = train_tokenizer_from_texts(texts, vocab_size, tmp / "tokenizer")
+    """Train on the first ``sample_bytes`` of train documents (message contents for chat) into ``<out>/tokenizer``.
+
+    A first streaming pass over the inputs, stopped once the sample is read: bounded memory for any corpus. Bad
+    input met here stops the run unless ``--skip-bad`` (it is counted in the main pass)."""
+
+    def texts() -> Iterator[str]:
+        used = 0
+        for doc in iter_docs(inputs, fmt, on_bad=_BadInput(skip_bad)):
+            if split_of(doc.value, seed, val_fraction) == "train":
+                yield doc_text(doc.value)
+                used += doc.nbytes
+                if used >= sample_bytes:
+                    return
+
+    tok = train_tokenizer_from_texts(texts(), vocab_size, tmp / "tokenizer")
     ref = str(out.resolve() / "tokenizer")
     print(f"prepare: trained a byte-level BPE tokenizer, vocab {len(tok)} -> {ref}")
     return tok, ref
@@ -227,6 +329,130 @@ def _tokenizer_ref(spec: str, out: Path, tmp: Path) -> str:
     return str(path)
 
 
+def _check_tokenizer(tok: PreTrainedTokenizerBase, name: str, chat: bool) -> None:
+    if chat and not getattr(tok, "chat_template", None):
+        raise UserError(
+            f"--tokenizer {name}",
+            "has no chat_template, so chat 'messages' cannot be rendered",
+            "use --tokenizer train (it has a chat template), a chat/instruct model's tokenizer, "
+            "or set chat_template in its tokenizer_config.json",
+        )
+    if not chat and tok.eos_token_id is None:
+        raise UserError(f"--tokenizer {name}", "has no eos token to separate documents", "use one with an eos_token")
+
+
+# --- bad input and progress ----------------------------------------------------------------------------------------
+
+
+class _BadInput:
+    """``on_bad`` for the readers: raise (default), or with ``--skip-bad`` count and list the first few."""
+
+    def __init__(self, skip: bool) -> None:
+        self.skip, self.count, self.listed = skip, 0, []
+
+    def __call__(self, err: UserError) -> None:
+        if not self.skip:
+            raise err
+        self.count += 1
+        if len(self.listed) < _SKIPPED_LISTED:
+            self.listed.append(f"{err.where}: {err.problem}")
+
+
+class _Progress:
+    """A tqdm bar over input bytes (MB/s, and an ETA when the total is known) with tokens/s beside it."""
+
+    def __init__(self, total_bytes: int | None) -> None:
+        self.n_bytes = self.n_tokens = 0
+        self.start, self.cpu_start = time.perf_counter(), _cpu_seconds()
+        self.bar = tqdm(total=total_bytes, desc="prepare", unit="B", unit_scale=True, unit_divisor=1000, smoothing=0.1)
+
+    def __enter__(self) -> _Progress:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.bar.close()
+        self.seconds = time.perf_counter() - self.start
+        self.cpu_seconds = _cpu_seconds() - self.cpu_start
+
+    def update(self, n_bytes: int, n_tokens: int) -> None:
+        self.n_bytes += n_bytes
+        self.n_tokens += n_tokens
+        self.bar.update(n_bytes)
+        rate = self.n_tokens / max(time.perf_counter() - self.start, 1e-9)
+        self.bar.set_postfix_str(f"{rate / 1e6:.2f}M tok/s", refresh=False)
+
+
+def _cpu_seconds() -> float:
+    """CPU time of this process and its finished children (the workers, once the pool is shut down)."""
+    own, children = resource.getrusage(resource.RUSAGE_SELF), resource.getrusage(resource.RUSAGE_CHILDREN)
+    return own.ru_utime + own.ru_stime + children.ru_utime + children.ru_stime
+
+
+# --- tokenizing in worker processes --------------------------------------------------------------------------------
+
+
+@dataclass
+class _Encoded:
+    """One batch's documents of one split, in input order: tokens (and chat masks) concatenated, and lengths."""
+
+    ids: np.ndarray
+    lengths: list[int]
+    mask: np.ndarray | None
+
+    def docs(self) -> Iterator[tuple[np.ndarray, np.ndarray | None]]:
+        lo = 0
+        for n in self.lengths:
+            yield self.ids[lo : lo + n], (None if self.mask is None else self.mask[lo : lo + n])
+            lo += n
+
+
+@dataclass
+class _Encoder:
+    """What a worker needs to turn a batch of documents into token ids, per split."""
+
+    tok: PreTrainedTokenizerBase
+    name: str
+    chat: bool
+    seed: int
+    val_fraction: float
+    dtype: str
+
+    def __call__(self, values: list[str | Chat]) -> dict[str, _Encoded]:
+        split = [split_of(v, self.seed, self.val_fraction) for v in values]
+        out = {}
+        for name in ("train", "val"):
+            part = [v for v, s in zip(values, split, strict=True) if s == name]
+            pieces = _encode_chats(self.tok, self.name, part) if self.chat else self._encode_texts(part)
+            ids = np.concatenate([p for p, _ in pieces]) if pieces else np.zeros(0, self.dtype)
+            mask = np.concatenate([m for _, m in pieces]) if self.chat and pieces else None
+            out[name] = _Encoded(ids.astype(self.dtype, copy=False), [len(p) for p, _ in pieces], mask)
+        return out
+
+    def _encode_texts(self, texts: list[str]) -> list[tuple[np.ndarray, None]]:
+        eos = self.tok.eos_token_id
+        return [(np.array([*ids, eos], dtype=self.dtype), None) for ids in _encode(self.tok, texts)]
+
+
+_WORKER: _Encoder | None = None
+
+
+def _init_worker(encoder: _Encoder) -> None:
+    """Each worker tokenizes on one thread (the pool is the parallelism); Ctrl-C is the parent's to handle."""
+    global _WORKER
+    os.environ["TOKENIZERS_PARALLELISM"] = "false"
+    signal.signal(signal.SIGINT, signal.SIG_IGN)
+    _WORKER = encoder
+
+
+def _work(task: tuple[int, list[str | Chat]]) -> tuple[int, dict[str, _Encoded] | tuple[str, str, str]]:
+    """One batch → its encodings; a UserError comes back as a tuple (it does not survive pickling)."""
+    n_bytes, values = task
+    try:
+        return n_bytes, _WORKER(values)
+    except UserError as e:
+        return n_bytes, (e.where, e.problem, e.fix)
+
+
 def _encode(tok: PreTrainedTokenizerBase, texts: list[str]) -> list[list[int]]:
     backend = getattr(tok, "backend_tokenizer", None)
     if backend is not None:
@@ -234,72 +460,11 @@ def _encode(tok: PreTrainedTokenizerBase, texts: list[str]) -> list[list[int]]:
     return tok(texts, add_special_tokens=False)["input_ids"]
 
 
-def _write_text(
-    docs: list[str], tok: PreTrainedTokenizerBase, name: str, tmp: Path, split: str, row_len: int, dtype: np.dtype
-) -> SplitStats:
-    """Tokenize, append eos, concatenate and cut into rows (written as a flat stream, then trimmed to whole rows)."""
-    eos = tok.eos_token_id
-    if eos is None:
-        raise UserError(f"--tokenizer {name}", "has no eos token to separate documents", "use one with an eos_token")
-    path = split_files(tmp, split)[0]
-    n_tokens = 0
-    with path.open("wb") as fh, tqdm(total=len(docs), desc=f"tokenize {split}", unit="doc") as bar:
-        for lo in range(0, len(docs), BATCH_DOCS):
-            chunk = docs[lo : lo + BATCH_DOCS]
-            ids = np.array([t for doc in _encode(tok, chunk) for t in [*doc, eos]], dtype=dtype)
-            fh.write(ids.tobytes())
-            n_tokens += ids.size
-            bar.update(len(chunk))
-        n_rows = n_tokens // row_len
-        fh.truncate(n_rows * row_len * dtype.itemsize)
-    _check_rows(n_rows, split, row_len)
-    kept = n_rows * row_len
-    stats = SplitStats(len(docs), n_rows, kept, n_rows * (row_len - 1), n_tokens - kept)
-    print(
-        f"prepare: {split}: {stats.n_tokens:,} tokens -> {n_rows:,} rows x {row_len} {dtype.name} "
-        f"({stats.n_dropped:,} tail tokens dropped)"
-    )
-    return stats
-
-
-def _write_chat(
-    docs: list[Chat], tok: PreTrainedTokenizerBase, name: str, tmp: Path, split: str, row_len: int, dtype: np.dtype
-) -> SplitStats:
-    """Render, mask all but assistant turns, and pack whole conversations into padded rows."""
-    if not getattr(tok, "chat_template", None):
-        raise UserError(
-            f"--tokenizer {name}",
-            "has no chat_template, so chat 'messages' cannot be rendered",
-            "use --tokenizer train (it has a chat template), a chat/instruct model's tokenizer, "
-            "or set chat_template in its tokenizer_config.json",
-        )
-    pad = tok.pad_token_id if tok.pad_token_id is not None else tok.eos_token_id
-    tokens_path, mask_path = split_files(tmp, split)
-    stats = SplitStats(n_docs=len(docs))
-    with (
-        tokens_path.open("wb") as tf,
-        mask_path.open("wb") as mf,
-        tqdm(total=len(docs), desc=f"tokenize {split}") as bar,
-    ):
-        packer = _RowPacker(tf, mf, row_len, dtype, pad)
-        for lo in range(0, len(docs), BATCH_DOCS):
-            chunk = docs[lo : lo + BATCH_DOCS]
-            for ids, mask in _encode_chats(tok, name, chunk):
-                stats.n_dropped += len(ids) > row_len
-                packer.add(ids[:row_len], mask[:row_len])
-            bar.update(len(chunk))
-        packer.flush()
-    _check_rows(packer.n_rows, split, row_len)
-    stats.n_rows, stats.n_tokens, stats.n_target_tokens = packer.n_rows, packer.n_tokens, packer.n_targets
-    print(
-        f"prepare: {split}: {stats.n_tokens:,} tokens ({stats.n_target_tokens:,} assistant targets) -> "
-        f"{stats.n_rows:,} rows x {row_len} {dtype.name} ({stats.n_dropped} conversations truncated)"
-    )
-    return stats
-
-
 def _encode_chats(tok: PreTrainedTokenizerBase, name: str, chats: list[Chat]) -> list[tuple[np.ndarray, np.ndarray]]:
-    """Token ids and a 0/1 target mask per conversation: 1 on tokens that start inside an assistant turn."""
+    """Token ids and a mask per conversation: bit 0 on tokens that start inside an assistant turn, bit 1 on the
+    conversation's first token."""
+    if not chats:
+        return []
     rendered = [_assistant_spans(tok, name, chat) for chat in chats]
     encodings = tok.backend_tokenizer.encode_batch([text for text, _ in rendered], add_special_tokens=False)
     out = []
@@ -307,7 +472,9 @@ def _encode_chats(tok: PreTrainedTokenizerBase, name: str, chats: list[Chat]) ->
         starts = np.array([s for s, _ in enc.offsets], dtype=np.int64)
         mask = np.zeros(len(starts), dtype=np.uint8)
         for lo, hi in spans:
-            mask[(starts >= lo) & (starts < hi)] = 1
+            mask[(starts >= lo) & (starts < hi)] = MASK_TARGET
+        if len(mask):
+            mask[0] |= MASK_START
         out.append((np.array(enc.ids, dtype=np.int64), mask))
     return out
 
@@ -339,33 +506,252 @@ def _assistant_spans(tok: PreTrainedTokenizerBase, name: str, chat: Chat) -> tup
     return full, spans
 
 
-class _RowPacker:
-    """Packs whole conversations into fixed-length rows; a row is padded (mask 0) when the next does not fit."""
+def _batches(docs: Iterable[Doc]) -> Iterator[tuple[int, list[str | Chat]]]:
+    """Consecutive documents grouped into batches of about ``BATCH_BYTES``: (input bytes, document values)."""
+    values: list[str | Chat] = []
+    n_bytes = 0
+    for doc in docs:
+        values.append(doc.value)
+        n_bytes += doc.nbytes
+        if n_bytes >= BATCH_BYTES or len(values) >= BATCH_DOCS:
+            yield n_bytes, values
+            values, n_bytes = [], 0
+    if values:
+        yield n_bytes, values
 
-    def __init__(self, tokens: BinaryIO, mask: BinaryIO, row_len: int, dtype: np.dtype, pad: int) -> None:
-        self.tokens_file, self.mask_file, self.row_len, self.dtype, self.pad = tokens, mask, row_len, dtype, pad
+
+@contextlib.contextmanager
+def _pool(workers: int, encoder: _Encoder) -> Iterator[ProcessPoolExecutor]:
+    """Worker processes holding the encoder (forked where the platform can: no tokenizer pickling).
+
+    A worker that dies (killed for memory) fails the run instead of hanging it; on any error the workers are
+    stopped at once."""
+    methods = multiprocessing.get_all_start_methods()
+    ctx = multiprocessing.get_context("fork" if "fork" in methods else "spawn")
+    before = os.environ.get("TOKENIZERS_PARALLELISM")
+    os.environ["TOKENIZERS_PARALLELISM"] = "false"  # read at fork time: no "parallelism already used" warning
+    pool = ProcessPoolExecutor(workers, mp_context=ctx, initializer=_init_worker, initargs=(encoder,))
+    try:
+        yield pool
+    except BaseException:
+        for proc in list((getattr(pool, "_processes", None) or {}).values()):  # no public way to stop them now
+            proc.terminate()
+        pool.shutdown(wait=True, cancel_futures=True)
+        raise
+    else:
+        pool.shutdown(wait=True)
+    finally:
+        if before is None:
+            os.environ.pop("TOKENIZERS_PARALLELISM", None)
+        else:
+            os.environ["TOKENIZERS_PARALLELISM"] = before
+
+
+def _encoded(docs: Iterable[Doc], encoder: _Encoder, workers: int) -> Iterator[tuple[int, dict[str, _Encoded]]]:
+    """Encodings of every batch, in input order; at most ``IN_FLIGHT_PER_WORKER`` batches per worker pending."""
+    with _pool(workers, encoder) as pool:
+        pending: deque[Future] = deque()
+        for task in _batches(docs):
+            pending.append(pool.submit(_work, task))
+            if len(pending) >= IN_FLIGHT_PER_WORKER * workers:
+                yield _result(pending.popleft())
+        while pending:
+            yield _result(pending.popleft())
+
+
+def _result(future: Future) -> tuple[int, dict[str, _Encoded]]:
+    try:
+        n_bytes, value = future.result()
+    except BrokenProcessPool as e:
+        raise UserError(
+            "--workers",
+            "a tokenizer process died (killed by the system, out of memory?)",
+            "use fewer --workers, or split very large documents",
+        ) from e
+    if isinstance(value, tuple):
+        raise UserError(*value)
+    return n_bytes, value
+
+
+# --- writing rows into shards --------------------------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class _Layout:
+    """Where and how rows are written: the folder, the row length and dtype, and rows per shard."""
+
+    folder: Path
+    row_len: int
+    dtype: np.dtype
+    shard_rows: int
+
+
+class _ShardWriter:
+    """Writes one split's rows (and chat masks) into ``{split}-NNNNN.bin`` shards of ``shard_rows`` rows at most."""
+
+    def __init__(self, layout: _Layout, split: str, with_mask: bool) -> None:
+        self.layout, self.split, self.with_mask = layout, split, with_mask
+        self.shards: list[dict[str, Any]] = []
+        self.files: tuple[BinaryIO, BinaryIO | None] | None = None
+
+    @property
+    def n_rows(self) -> int:
+        return sum(s["rows"] for s in self.shards)
+
+    def write(self, rows: np.ndarray, mask: np.ndarray | None = None) -> None:
+        """Append ``rows`` (``[n, row_len]``) and their mask rows."""
+        lo = 0
+        while lo < len(rows):
+            if self.files is None or self.shards[-1]["rows"] == self.layout.shard_rows:
+                self._next_shard()
+            take = min(len(rows) - lo, self.layout.shard_rows - self.shards[-1]["rows"])
+            tokens_fh, mask_fh = self.files
+            tokens_fh.write(rows[lo : lo + take].astype(self.layout.dtype, copy=False).tobytes())
+            if mask_fh is not None:
+                mask_fh.write(mask[lo : lo + take].astype(np.uint8, copy=False).tobytes())
+            self.shards[-1]["rows"] += take
+            lo += take
+
+    def _next_shard(self) -> None:
+        self.close()
+        name = shard_name(self.split, len(self.shards))
+        tokens, mask = shard_files(self.layout.folder, name)
+        self.files = (tokens.open("wb"), mask.open("wb") if self.with_mask else None)
+        self.shards.append({"file": name, "rows": 0})
+
+    def close(self) -> None:
+        if self.files is not None:
+            for fh in self.files:
+                if fh is not None:
+                    fh.close()
+            self.files = None
+
+
+class _TextRows:
+    """Concatenates documents (eos already appended) and cuts the stream into rows; the last partial row is dropped."""
+
+    def __init__(self, writer: _ShardWriter) -> None:
+        self.writer, self.row_len = writer, writer.layout.row_len
+        self.parts: list[np.ndarray] = []
+        self.buffered = self.n_tokens = 0
+
+    def add(self, ids: np.ndarray, mask: np.ndarray | None) -> None:
+        self.parts.append(ids)
+        self.buffered += len(ids)
+        self.n_tokens += len(ids)
+        if self.buffered >= _FLUSH_TOKENS:
+            self._flush()
+
+    def has_rows(self) -> bool:
+        return self.n_tokens >= self.row_len
+
+    def _flush(self) -> None:
+        stream = np.concatenate(self.parts) if self.parts else np.zeros(0, self.writer.layout.dtype)
+        n = len(stream) // self.row_len
+        self.writer.write(stream[: n * self.row_len].reshape(n, self.row_len))
+        self.parts, self.buffered = [stream[n * self.row_len :]], len(stream) - n * self.row_len
+
+    def finish(self, stats: SplitStats) -> None:
+        self._flush()
+        self.writer.close()
+        stats.n_rows = self.writer.n_rows
+        stats.n_tokens = stats.n_rows * self.row_len
+        stats.n_target_tokens = stats.n_rows * (self.row_len - 1)
+        stats.n_dropped = self.n_tokens - stats.n_tokens
+
+
+class _ChatRows:
+    """Packs whole conversations into rows; a row is padded (mask 0) when the next does not fit."""
+
+    def __init__(self, writer: _ShardWriter, pad: int) -> None:
+        self.writer, self.row_len, self.pad = writer, writer.layout.row_len, pad
         self.ids: list[np.ndarray] = []
         self.masks: list[np.ndarray] = []
-        self.used = self.n_rows = self.n_tokens = self.n_targets = 0
+        self.used = self.n_tokens = self.n_targets = self.n_truncated = 0
 
-    def add(self, ids: np.ndarray, mask: np.ndarray) -> None:
+    def add(self, ids: np.ndarray, mask: np.ndarray | None) -> None:
+        self.n_truncated += len(ids) > self.row_len
+        ids, mask = ids[: self.row_len], mask[: self.row_len]
         if self.used + len(ids) > self.row_len:
-            self.flush()
+            self._flush()
         self.ids.append(ids)
         self.masks.append(mask)
         self.used += len(ids)
         self.n_tokens += len(ids)
-        self.n_targets += int(mask.sum())
+        self.n_targets += int(np.count_nonzero(mask & MASK_TARGET))
 
-    def flush(self) -> None:
+    def has_rows(self) -> bool:
+        return self.n_tokens > 0
+
+    def _flush(self) -> None:
         if not self.used:
             return
         fill = self.row_len - self.used
-        row = np.concatenate([*self.ids, np.full(fill, self.pad)]).astype(self.dtype)
-        self.tokens_file.write(row.tobytes())
-        self.mask_file.write(np.concatenate([*self.masks, np.zeros(fill, np.uint8)]).astype(np.uint8).tobytes())
+        row = np.concatenate([*self.ids, np.full(fill, self.pad)])
+        mask = np.concatenate([*self.masks, np.zeros(fill, np.uint8)])
+        self.writer.write(row[None], mask[None])
         self.ids, self.masks, self.used = [], [], 0
-        self.n_rows += 1
+
+    def finish(self, stats: SplitStats) -> None:
+        self._flush()
+        self.writer.close()
+        stats.n_rows, stats.n_tokens, stats.n_target_tokens = self.writer.n_rows, self.n_tokens, self.n_targets
+        stats.n_dropped = self.n_truncated
+
+
+class _Holdback:
+    """The last train documents, just enough for one row (text: ``row_len`` tokens; chat: one conversation).
+
+    They are written to train at the end, unless val got no row: then they become val's (see the module doc)."""
+
+    def __init__(self, need: int, chat: bool) -> None:
+        self.need, self.chat = need, chat
+        self.docs: deque[tuple[np.ndarray, np.ndarray | None]] = deque()
+        self.tokens = 0
+
+    def push(self, doc: tuple[np.ndarray, np.ndarray | None]) -> Iterator[tuple[np.ndarray, np.ndarray | None]]:
+        """Hold ``doc``; release (yield) the oldest held documents that are no longer needed."""
+        self.docs.append(doc)
+        self.tokens += len(doc[0])
+        while len(self.docs) > 1 and (self.chat or self.tokens - len(self.docs[0][0]) >= self.need):
+            old = self.docs.popleft()
+            self.tokens -= len(old[0])
+            yield old
+
+
+def _write_splits(
+    docs: Iterable[Doc], encoder: _Encoder, workers: int, layout: _Layout, chat: bool, pad: int, progress: _Progress
+) -> dict[str, SplitStats]:
+    """Tokenize ``docs`` in the worker pool and write both splits' shards; return what each became."""
+    stats = {s: SplitStats() for s in ("train", "val")}
+    rows = {
+        s: (_ChatRows(_ShardWriter(layout, s, True), pad) if chat else _TextRows(_ShardWriter(layout, s, False)))
+        for s in stats
+    }
+    held = _Holdback(layout.row_len, chat)
+    for n_bytes, batch in _encoded(docs, encoder, workers):
+        for doc in batch["val"].docs():
+            rows["val"].add(*doc)
+        for doc in batch["train"].docs():
+            for released in held.push(doc):
+                rows["train"].add(*released)
+        for split, enc in batch.items():
+            stats[split].n_docs += len(enc.lengths)
+        progress.update(n_bytes, sum(len(enc.ids) for enc in batch.values()))
+    n_docs = stats["train"].n_docs + stats["val"].n_docs
+    if n_docs < 2:
+        raise UserError("--input", f"only {n_docs} document, cannot split train/val by document", "pass more documents")
+    to = "train" if rows["val"].has_rows() else "val"
+    for doc in held.docs:
+        rows[to].add(*doc)
+    if to == "val":
+        stats["train"].n_docs -= len(held.docs)
+        stats["val"].n_docs += len(held.docs)
+    for split in stats:
+        rows[split].finish(stats[split])
+        stats[split].shards = rows[split].writer.shards
+        _check_rows(stats[split].n_rows, split, layout.row_len)
+    return stats
 
 
 def _check_rows(n_rows: int, split: str, row_len: int) -> None:
@@ -377,6 +763,9 @@ def _check_rows(n_rows: int, split: str, row_len: int) -> None:
         )
 
 
+# --- publishing and reporting ----------------------------------------------------------------------------------------
+
+
 def _publish(tmp: Path, out: Path) -> None:
     """Swap the finished temp folder into place (the old output, if any, is removed only afterwards)."""
     old = out.parent / f".{out.name}.old-{os.getpid()}"
@@ -386,17 +775,51 @@ def _publish(tmp: Path, out: Path) -> None:
     shutil.rmtree(old, ignore_errors=True)
 
 
+def _summary(meta: dict[str, Any], out: Path, progress: _Progress, workers: int) -> str:
+    """One screen: what went in, what came out, how fast."""
+    n = {k: meta[k] for k in ("n_docs", "n_tokens", "n_rows", "n_dropped")}
+    shards = {s: len(v) for s, v in meta["shards"].items()}
+    dropped = "tail tokens" if meta["format"] == "text" else "conversations truncated to a row"
+    secs = max(progress.seconds, 1e-9)
+    skipped = meta["skipped"]
+    lines = [
+        f"prepare: wrote {out} in {meta['seconds']:.1f} s",
+        f"  input     {progress.n_bytes / 1e6:,.1f} MB, {sum(n['n_docs'].values()):,} {meta['format']} documents"
+        f" from {len(meta['inputs'])} input(s); {skipped['count']} bad input(s) skipped",
+        f"  split     train {n['n_docs']['train']:,} / val {n['n_docs']['val']:,} documents"
+        f" (hash of seed {meta['seed']} and content < {meta['val_fraction']})",
+        f"  tokens    train {n['n_tokens']['train']:,} / val {n['n_tokens']['val']:,}"
+        f" ({meta['n_target_tokens']['train']:,} train targets)",
+        f"  rows      train {n['n_rows']['train']:,} / val {n['n_rows']['val']:,} of {meta['seq_len'] + 1}"
+        f" {meta['dtype']} in {shards['train']} + {shards['val']} shard(s)",
+        f"  dropped   train {n['n_dropped']['train']:,} / val {n['n_dropped']['val']:,} {dropped}",
+        f"  speed     {progress.n_bytes / 1e6 / secs:.2f} MB/s, {progress.n_tokens / secs / 1e6:.2f} M tokens/s"
+        f" with {workers} worker(s)",
+    ]
+    lines += [f"  skipped   {line}" for line in skipped["first"]]
+    return "\n".join(lines)
+
+
 def _parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="python -m deepzero.data.prepare", description=__doc__.split("\n")[0])
     p.add_argument("--input", nargs="+", default=["stdlib"], help="paths, 'stdlib', or hf:NAME[:split]")
     p.add_argument("--tokenizer", default="train", help="saved tokenizer folder, hub id, or 'train'")
     p.add_argument("--seq-len", type=int, default=256, help="tokens per training sample (rows hold seq_len + 1)")
     p.add_argument("--out", default="artifacts/data/stdlib", help="output folder")
-    p.add_argument("--val-fraction", type=float, default=0.02, help="fraction of documents held out")
+    p.add_argument("--val-fraction", type=float, default=0.02, help="fraction of documents held out (by hash)")
     p.add_argument("--format", default="auto", choices=["auto", "text", "chat"], help="plain text or chat SFT")
     p.add_argument("--vocab-size", type=int, default=4096, help="vocabulary size with --tokenizer train")
     p.add_argument("--seed", type=int, default=0, help="seed of the train/val split")
     p.add_argument("--force", action="store_true", help="rebuild even if up to date")
+    p.add_argument("--workers", type=int, default=None, help="tokenizer processes (default: every core)")
+    p.add_argument("--shard-mb", type=float, default=DEFAULT_SHARD_MB, help="largest shard file, in MiB")
+    p.add_argument("--skip-bad", action="store_true", help="skip and count bad files/lines instead of stopping")
+    p.add_argument(
+        "--tokenizer-sample-mb",
+        type=float,
+        default=TOKENIZER_SAMPLE_MB,
+        help="with --tokenizer train: MiB of train documents it is trained on",
+    )
     return p
 
 
@@ -414,6 +837,10 @@ def main(argv: Sequence[str] | None = None) -> int:
             vocab_size=args.vocab_size,
             seed=args.seed,
             force=args.force,
+            workers=args.workers,
+            shard_mb=args.shard_mb,
+            skip_bad=args.skip_bad,
+            tokenizer_sample_mb=args.tokenizer_sample_mb,
         )
     except UserError as e:
         print(f"error: {e}", file=sys.stderr)

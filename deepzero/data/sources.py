@@ -1,15 +1,20 @@
-"""Reading input documents: text files and folders, JSONL, parquet, Hugging Face datasets, and ``stdlib``.
+"""Reading input documents lazily: text files and folders, JSONL, parquet, Hugging Face datasets, and ``stdlib``.
 
 An input spec is one of: a path (``.txt``/``.py``/``.md`` file = one document; a folder = all such files in it;
 ``.jsonl`` with a ``text`` or ``messages`` field per line; ``.parquet`` with a ``text`` or ``messages`` column),
 ``stdlib`` (the standard library's own source, see :func:`stdlib_corpus`), or ``hf:NAME[:split]`` (a dataset
-loaded with ``datasets.load_dataset``; split defaults to ``train``).
+streamed with ``datasets.load_dataset(..., streaming=True)``; split defaults to ``train``).
+
+:func:`iter_docs` yields one :class:`Doc` at a time and never holds more than one file (text), one line (JSONL)
+or one record batch (parquet). Bad input (an unreadable file, invalid UTF-8, a bad JSONL line or record) goes to
+``on_bad`` as a :class:`UserError` naming the file and line: the default raises it, ``prepare --skip-bad`` counts it.
 """
 
 from __future__ import annotations
 
+import hashlib
 import json
-from collections.abc import Iterator, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Literal
@@ -20,16 +25,33 @@ from deepzero.errors import UserError
 TEXT_SUFFIXES = (".txt", ".py", ".md")
 Chat = list[dict[str, str]]
 Format = Literal["auto", "text", "chat"]
+OnBad = Callable[[UserError], None]
 _FIX_SPEC = "pass a .txt/.py/.md/.jsonl/.parquet file, a folder, 'stdlib', or hf:NAME[:split]"
 _FIX_RECORD = 'give each record "text": "..." or "messages": [{"role": ..., "content": ...}, ...]'
+_FIX_BAD = "fix or remove it, or pass --skip-bad to skip (and count) bad input"
+_PARQUET_BATCH = 1024
+
+
+@dataclass(frozen=True)
+class Doc:
+    """One input document: plain text or a conversation, where it came from, and the input bytes it stands for."""
+
+    value: str | Chat
+    where: str
+    nbytes: int
 
 
 @dataclass(frozen=True)
 class Corpus:
-    """All documents of a run: plain texts (``format == "text"``) or conversations (``format == "chat"``)."""
+    """All documents of small inputs in memory: plain texts (``format == "text"``) or conversations (``"chat"``)."""
 
     docs: list[str] | list[Chat]
     format: Literal["text", "chat"]
+
+
+def raise_bad(err: UserError) -> None:
+    """The default ``on_bad``: stop at the first bad input."""
+    raise err
 
 
 def input_files(spec: str) -> list[Path]:
@@ -51,83 +73,175 @@ def input_files(spec: str) -> list[Path]:
     return [path]
 
 
-def describe_inputs(specs: Sequence[str]) -> list[dict[str, Any]]:
-    """What the inputs are right now (paths, sizes, mtimes): the part of the fingerprint that changes with the data."""
-    return [
-        {"spec": s, "files": [[str(f.resolve()), f.stat().st_size, f.stat().st_mtime_ns] for f in input_files(s)]}
-        for s in specs
-    ]
+def inputs_digest(specs: Sequence[str]) -> str:
+    """Hash of what the inputs are right now (specs, then each file's path, size, mtime): the part of the
+    fingerprint that changes with the data. Streams over the files, so it stays small for millions of them."""
+    digest = hashlib.sha256()
+    for spec in specs:
+        digest.update(spec.encode() + b"\0")
+        for f in input_files(spec):
+            st = f.stat()
+            digest.update(f"{f.resolve()}\0{st.st_size}\0{st.st_mtime_ns}\n".encode())
+    return digest.hexdigest()
+
+
+def input_bytes(specs: Sequence[str]) -> int | None:
+    """Total size of the input files, or None when an input's size is unknown (``hf:``)."""
+    if any(s.startswith("hf:") for s in specs):
+        return None
+    return sum(f.stat().st_size for s in specs for f in input_files(s))
+
+
+def doc_text(value: str | Chat) -> str:
+    """The text of a document (a conversation's message contents, one per line): what a tokenizer trains on."""
+    return value if isinstance(value, str) else "\n".join(m["content"] for m in value)
+
+
+def iter_docs(specs: Sequence[str], fmt: Format = "auto", on_bad: OnBad = raise_bad) -> Iterator[Doc]:
+    """Every non-empty document of the inputs, in order. ``auto`` is decided by the first document (chat when it
+    carries ``messages``); a later record of the other kind is bad input. Raises if there is no document at all."""
+    if not specs:
+        raise UserError("--input", "no inputs given", _FIX_SPEC)
+    for spec in specs:  # missing paths fail before any reading
+        input_files(spec)
+    kind: type | None = None
+    for spec in specs:
+        for doc in _read_spec(spec, fmt, on_bad):
+            if not doc.value:
+                continue
+            if kind is None:
+                kind = type(doc.value)
+            elif not isinstance(doc.value, kind):
+                first, this = ("text", "chat") if kind is str else ("chat", "text")
+                on_bad(
+                    UserError(
+                        doc.where,
+                        f"inputs mix plain text and chat 'messages' (this record is {this}, the first was {first})",
+                        "pass --format text or chat",
+                    )
+                )
+                continue
+            yield doc
+    if kind is None:
+        raise UserError(f"--input {' '.join(specs)}", "inputs hold no non-empty documents", _FIX_SPEC)
 
 
 def read_corpus(specs: Sequence[str], fmt: Format = "auto") -> Corpus:
-    """Read every input spec into one corpus; ``auto`` picks chat when records carry ``messages``."""
-    if not specs:
-        raise UserError("--input", "no inputs given", _FIX_SPEC)
-    docs = [doc for spec in specs for doc in _read_spec(spec, fmt) if doc]
-    if not docs:
-        raise UserError(f"--input {' '.join(specs)}", "inputs hold no non-empty documents", _FIX_SPEC)
-    kinds = {isinstance(d, str) for d in docs}
-    if len(kinds) > 1:
-        raise UserError(
-            f"--input {' '.join(specs)}", "inputs mix plain text and chat 'messages'", "pass --format text or chat"
-        )
-    return Corpus(docs=docs, format="text" if kinds == {True} else "chat")
+    """Every document of the inputs in one list (small inputs only; ``prepare`` streams :func:`iter_docs`)."""
+    docs = [doc.value for doc in iter_docs(specs, fmt)]
+    return Corpus(docs=docs, format="text" if isinstance(docs[0], str) else "chat")  # type: ignore[arg-type]
 
 
-def _read_spec(spec: str, fmt: Format) -> Iterator[str | Chat]:
+def _read_spec(spec: str, fmt: Format, on_bad: OnBad) -> Iterator[Doc]:
     if spec.startswith("hf:"):
         name, _, split = spec[3:].partition(":")
-        yield from _dataset_docs(_load_hf(name, split or "train", spec), spec, fmt)
+        yield from _hf_docs(name, split or "train", spec, fmt, on_bad)
         return
     for f in input_files(spec):
         if f.suffix == ".jsonl":
-            yield from _jsonl_docs(f, fmt)
+            yield from _jsonl_docs(f, fmt, on_bad)
         elif f.suffix == ".parquet":
-            yield from _dataset_docs(_load_hf("parquet", "train", str(f), data_files=str(f)), str(f), fmt)
+            yield from _parquet_docs(f, fmt, on_bad)
         elif fmt == "chat":
             raise UserError(str(f), "a plain text file cannot be a chat", "use JSONL with a 'messages' field per line")
         else:
-            yield _read_text(f, strict=spec != "stdlib")
+            text = _read_text(f, strict=spec != "stdlib", on_bad=on_bad)
+            if text is not None:
+                yield Doc(text, str(f), f.stat().st_size)
 
 
-def _read_text(path: Path, strict: bool) -> str:
+def _read_text(path: Path, strict: bool, on_bad: OnBad) -> str | None:
+    """A whole text file, or None after reporting it to ``on_bad`` (unreadable, or not UTF-8 when ``strict``)."""
     try:
-        return path.read_text(encoding="utf-8", errors="strict" if strict else "replace")
+        data = path.read_bytes()
+    except OSError as e:
+        on_bad(UserError(str(path), f"cannot be read ({e.strerror or type(e).__name__})", _FIX_BAD))
+        return None
+    try:
+        return data.decode("utf-8", errors="strict" if strict else "replace")
     except UnicodeDecodeError as e:
-        raise UserError(str(path), f"not UTF-8 text ({e.reason} at byte {e.start})", "convert it to UTF-8") from e
+        line = data.count(b"\n", 0, e.start) + 1
+        on_bad(UserError(f"{path}:{line}", f"line {line} is not UTF-8 text ({e.reason} at byte {e.start})", _FIX_BAD))
+        return None
 
 
-def _load_hf(name: str, split: str, where: str, **kwargs: Any) -> Any:
-    import datasets  # slow import: only when needed
-
+def _jsonl_docs(path: Path, fmt: Format, on_bad: OnBad) -> Iterator[Doc]:
     try:
-        return datasets.load_dataset(name, split=split, **kwargs)
-    except (OSError, ValueError, ConnectionError) as e:
-        raise UserError(where, f"could not load the dataset ({type(e).__name__}: {e})", _FIX_SPEC) from e
-
-
-def _jsonl_docs(path: Path, fmt: Format) -> Iterator[str | Chat]:
-    with path.open(encoding="utf-8") as fh:
-        for lineno, line in enumerate(fh, start=1):
-            if not line.strip():
+        fh = path.open("rb")
+    except OSError as e:
+        on_bad(UserError(str(path), f"cannot be read ({e.strerror or type(e).__name__})", _FIX_BAD))
+        return
+    with fh:
+        for lineno, raw in enumerate(fh, start=1):
+            if not raw.strip():
                 continue
             where = f"{path}:{lineno}"
             try:
-                record = json.loads(line)
+                record = json.loads(raw.decode("utf-8"))
+                if not isinstance(record, dict):
+                    raise UserError(where, f"line {lineno} is not a JSON object", 'write one {"text": ...} per line')
+                yield Doc(_record_doc(record, where, fmt), where, len(raw))
+            except UnicodeDecodeError as e:
+                on_bad(UserError(where, f"line {lineno} is not UTF-8 text ({e.reason} at byte {e.start})", _FIX_BAD))
             except json.JSONDecodeError as e:
-                raise UserError(where, f"line {lineno} is not valid JSON ({e.msg})", "fix or remove the line") from e
-            if not isinstance(record, dict):
-                raise UserError(where, f"line {lineno} is not a JSON object", 'write one {"text": ...} per line')
-            yield _record_doc(record, where, fmt)
+                on_bad(UserError(where, f"line {lineno} is not valid JSON ({e.msg})", "fix or remove the line"))
+            except UserError as e:
+                on_bad(e)
 
 
-def _dataset_docs(ds: Any, where: str, fmt: Format) -> Iterator[str | Chat]:
-    columns = set(ds.column_names)
+def _parquet_docs(path: Path, fmt: Format, on_bad: OnBad) -> Iterator[Doc]:
+    """Rows of the ``text``/``messages`` column, one record batch in memory at a time."""
+    import pyarrow.parquet as pq
+
+    try:
+        pf = pq.ParquetFile(path)
+    except (OSError, ValueError) as e:  # pyarrow's ArrowInvalid is a ValueError
+        on_bad(UserError(str(path), f"cannot be read as parquet ({e})", _FIX_BAD))
+        return
+    columns = set(pf.schema_arrow.names)
     field = _pick_field(columns, fmt)
     if field is None:
-        raise UserError(where, f"has no 'text' or 'messages' column (columns: {sorted(columns)})", _FIX_RECORD)
-    for i, value in enumerate(ds[field]):
-        yield _record_doc({field: value}, f"{where} row {i}", fmt)
+        raise UserError(str(path), f"has no 'text' or 'messages' column (columns: {sorted(columns)})", _FIX_RECORD)
+    per_row = path.stat().st_size // max(1, pf.metadata.num_rows)
+    row = 0
+    for batch in pf.iter_batches(columns=[field], batch_size=_PARQUET_BATCH):
+        for value in batch.column(0).to_pylist():
+            where = f"{path} row {row}"
+            row += 1
+            try:
+                yield Doc(_record_doc({field: value}, where, fmt), where, per_row)
+            except UserError as e:
+                on_bad(e)
+
+
+def _hf_docs(name: str, split: str, where: str, fmt: Format, on_bad: OnBad) -> Iterator[Doc]:
+    """A Hugging Face dataset in streaming mode: rows arrive as they are read, nothing is cached whole."""
+    import datasets  # slow import: only when needed
+
+    try:
+        ds = datasets.load_dataset(name, split=split, streaming=True)
+        rows = iter(ds)
+        first = next(rows, None)
+    except (OSError, ValueError, ConnectionError) as e:
+        raise UserError(where, f"could not load the dataset ({type(e).__name__}: {e})", _FIX_SPEC) from e
+    if first is None:
+        return
+    field = _pick_field(set(first), fmt)
+    if field is None:
+        raise UserError(where, f"has no 'text' or 'messages' column (columns: {sorted(first)})", _FIX_RECORD)
+    for i, record in enumerate(_chain_first(first, rows)):
+        row_where = f"{where} row {i}"
+        try:
+            value = _record_doc({field: record.get(field)}, row_where, fmt)
+        except UserError as e:
+            on_bad(e)
+            continue
+        yield Doc(value, row_where, len(doc_text(value).encode("utf-8", "surrogatepass")))
+
+
+def _chain_first(first: Any, rest: Iterator[Any]) -> Iterator[Any]:
+    yield first
+    yield from rest
 
 
 def _pick_field(keys: set[str], fmt: Format) -> str | None:
