@@ -327,11 +327,32 @@ def load(engine: Any, ckpt_dir: Path, load_optimizer_states: bool = True) -> Tra
         ) from None
     if path is None:
         raise UserError(str(ckpt_dir / tag), "DeepSpeed found no checkpoint files there", _older_hint(ckpt_dir, tag))
+    _restore_buffers(engine, ckpt_dir / tag)
     rank = dist.get_rank() if dist.is_initialized() else 0
     rng_file = ckpt_dir / tag / f"rng_rank{rank:03d}.pt"
     if rng_file.is_file():
         _set_rng_state(torch.load(rng_file, weights_only=True))
     return TrainState.from_client_state(client_state)
+
+
+def _restore_buffers(engine: Any, tag_dir: Path) -> None:
+    """Buffers of a universal checkpoint (e.g. DeepSeek-V3's routing bias ``e_score_correction_bias``).
+
+    DeepSpeed's universal load restores parameters and optimizer state but skips the module state dict, so the
+    buffers would keep their initial values; ``ds_to_universal`` copies the model-states file that holds them.
+    """
+    files = sorted(tag_dir.glob("*model_states.pt"))  # mp_rank_00_… (ZeRO-1/2), zero_pp_rank_0_mp_rank_00_… (ZeRO-3)
+    module = getattr(getattr(engine, "engine", None), "module", None)
+    if not ((tag_dir / "zero").is_dir() and files and module is not None):
+        return
+    saved = torch.load(files[0], map_location="cpu", weights_only=False)
+    own = dict(module.named_buffers())
+    buffers = {
+        n: saved["module"][n] for n in saved.get("buffer_names", []) if n in saved.get("module", {}) and n in own
+    }
+    with torch.no_grad():
+        for name, value in buffers.items():
+            own[name].copy_(value.to(own[name].device, own[name].dtype))
 
 
 def _older_hint(ckpt_dir: Path, tag: str) -> str:

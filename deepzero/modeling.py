@@ -93,12 +93,14 @@ def planning_config(spec: str) -> tuple[str, PretrainedConfig]:
         ) from None
 
 
-def load_tokenizer(spec: str, trust_remote_code: bool = False) -> PreTrainedTokenizerBase:
-    """AutoTokenizer.from_pretrained with a clear error; sets a pad token if the tokenizer has none."""
+def load_tokenizer(spec: str, trust_remote_code: bool = False, where: str | None = None) -> PreTrainedTokenizerBase:
+    """AutoTokenizer.from_pretrained with a clear error naming ``where`` the spec came from (default
+    ``--tokenizer SPEC``); sets a pad token if the tokenizer has none."""
     try:
         tok = AutoTokenizer.from_pretrained(spec, trust_remote_code=trust_remote_code)
     except (OSError, ValueError) as err:
-        raise UserError(f"--tokenizer {spec}", f"cannot load tokenizer ({_first_line(err)})", _offline_fix()) from None
+        where = where or f"--tokenizer {spec}"
+        raise UserError(where, f"cannot load tokenizer {spec} ({_first_line(err)})", _offline_fix()) from None
     if tok.pad_token is None:
         tok.pad_token = tok.eos_token
     return tok

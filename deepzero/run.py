@@ -18,7 +18,7 @@ from typing import Any
 import torch
 from torch import nn
 
-from deepzero import checkpoint, dsconfig, engines, modeling, moe_balance, report, universal
+from deepzero import checkpoint, dsconfig, engines, modeling, moe_balance, preemption, report, universal
 from deepzero.args import TrainArgs
 from deepzero.data import PackedDataset, check_enough_rows, load_meta
 from deepzero.distributed import init_distributed
@@ -29,7 +29,7 @@ from deepzero.flops import flops_per_token, peak_tflops, routed_experts
 from deepzero.lora import LoraSpec
 from deepzero.metrics import MetricsSink, redact
 from deepzero.op_builds import check_op_builds
-from deepzero.plan import check_fit
+from deepzero.plan import check_fit, model_stats
 from deepzero.precision import check_fp16_range, fp16_risk
 from deepzero.presets import PRESETS
 
@@ -131,10 +131,58 @@ def plan_run(args: TrainArgs, world: int) -> RunPlan:
     train_data = PackedDataset(args.data, "train", documents=args.packing == "documents")
     check_enough_rows(len(train_data), cfg.batch.global_batch, "train")
     val_data = usable_val_split(args, meta, cfg.batch)
-    tokenizer = modeling.load_tokenizer(args.tokenizer or meta.get("tokenizer") or args.model, args.trust_remote_code)
+    tokenizer = plan_tokenizer(args, meta)
+    check_disk(args, config, cfg.precision)
+    if args.resume:
+        checkpoint.check_resumable(args.checkpoint_dir, settings.dp_size(world))
     if warning := check_fit(config, cfg.ds, world, None, seq_len, gradient_checkpointing=args.gradient_checkpointing):
         warn(warning)
     return RunPlan(source, config, cfg, settings, lr_source, seq_len, train_data, val_data, tokenizer, balance)
+
+
+def plan_tokenizer(args: TrainArgs, meta: dict[str, Any]) -> Any:
+    """--tokenizer, else the one the data was prepared with, else --model's; it must cover the data's token ids."""
+    if args.tokenizer:
+        spec, where = args.tokenizer, f"--tokenizer {args.tokenizer}"
+    elif meta.get("tokenizer"):
+        spec, where = meta["tokenizer"], f"{args.data}/meta.json 'tokenizer'"
+    else:
+        spec, where = args.model, f"--model {args.model} (its tokenizer: {args.data}/meta.json names none)"
+    vocab = meta.get("vocab_size")
+    if vocab is not None and not (isinstance(vocab, int) and not isinstance(vocab, bool) and vocab > 0):
+        raise UserError(
+            f"{args.data}/meta.json",
+            f"'vocab_size' must be a positive integer, got {vocab!r}",
+            "re-run data/prepare.py",
+        )
+    tokenizer = modeling.load_tokenizer(spec, args.trust_remote_code, where)
+    if (vocab or 0) > len(tokenizer):
+        raise UserError(
+            f"{args.data}/meta.json",
+            f"token ids go up to vocab_size {meta['vocab_size']} but the tokenizer ({where}) has {len(tokenizer)}",
+            "pass --tokenizer <the one the data was prepared with>, or re-run data/prepare.py with this tokenizer",
+        )
+    return tokenizer
+
+
+def check_disk(args: TrainArgs, config: Any, precision: str) -> None:
+    """Free space for ``keep_last`` checkpoints and the export (one error line when not even one fits, else a
+    warning), and on rank 0 whether a SIGTERM save can finish within the launcher's grace (docs/reliability.md)."""
+    stats = model_stats(config)
+    param_bytes = 4 if precision == "fp32" else 2
+    trainable = 0 if args.lora else stats.total  # LoRA: the adapters' optimizer state is negligible
+    ckpt_bytes = checkpoint.checkpoint_bytes(stats.total, trainable, param_bytes)
+    export_bytes = stats.total * param_bytes if args.export else 0
+    message = checkpoint.check_disk_space(args.out_dir, ckpt_bytes, args.keep_last, export_bytes)
+    if message:
+        warn(message)
+    world = int(os.environ.get("WORLD_SIZE", "1"))
+    per_node = ckpt_bytes * int(os.environ.get("LOCAL_WORLD_SIZE", world)) // max(world, 1)
+    fast_disk = 5e9  # bytes/s: when even this disk could not miss the deadline, skip measuring (64 MB written)
+    if os.environ.get("RANK", "0") == "0" and preemption.deadline_warning(per_node, fast_disk, 0.0):
+        speed = checkpoint.measure_write_speed(args.checkpoint_dir, 64 << 20)
+        if message := preemption.deadline_warning(per_node, speed, step_seconds=0.0):
+            warn(message)
 
 
 def choose_engine(args: TrainArgs) -> EngineSettings:

@@ -99,6 +99,10 @@ def _read_meta(meta_path: Path, fix: str) -> dict[str, Any]:
         problems.append(f"'seq_len' must be a positive integer, got {meta.get('seq_len')!r}")
     if meta.get("dtype") not in ("uint16", "uint32"):
         problems.append(f"'dtype' must be uint16 or uint32, got {meta.get('dtype')!r}")
+    if meta.get("format") not in ("text", "chat"):
+        problems.append(f"'format' must be text or chat, got {meta.get('format')!r}")
+    if not isinstance(meta.get("tokenizer", ""), str):
+        problems.append(f"'tokenizer' must be a folder or hub id (a string), got {meta.get('tokenizer')!r}")
     rows = meta.get("n_rows")
     if not (isinstance(rows, dict) and all(isinstance(rows.get(s), int) and rows[s] >= 0 for s in SPLITS)):
         problems.append(f"'n_rows' must map {' and '.join(SPLITS)} to row counts, got {rows!r}")

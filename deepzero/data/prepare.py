@@ -37,9 +37,10 @@ from concurrent.futures import Future, ProcessPoolExecutor
 from concurrent.futures.process import BrokenProcessPool
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, BinaryIO
+from typing import Any, BinaryIO, NoReturn
 
 import numpy as np
+from jinja2.exceptions import TemplateError
 from tqdm import tqdm
 from transformers import AutoTokenizer, PreTrainedTokenizerBase
 
@@ -487,7 +488,14 @@ def _assistant_spans(tok: PreTrainedTokenizerBase, name: str, chat: Chat) -> tup
     """
 
     def render(messages: Chat, add_generation_prompt: bool = False) -> str:
-        return tok.apply_chat_template(messages, tokenize=False, add_generation_prompt=add_generation_prompt)
+        try:
+            return tok.apply_chat_template(messages, tokenize=False, add_generation_prompt=add_generation_prompt)
+        except TemplateError as err:
+            raise UserError(
+                f"--tokenizer {name}",
+                f"its chat template refused a conversation ({str(err).strip().splitlines()[0] if str(err) else err!r})",
+                "give the roles the template accepts (DeepSeek: system first, then user/assistant turns)",
+            ) from None
 
     full = render(chat)
     spans = []
@@ -800,8 +808,15 @@ def _summary(meta: dict[str, Any], out: Path, progress: _Progress, workers: int)
     return "\n".join(lines)
 
 
+class _OneLineParser(argparse.ArgumentParser):
+    """argparse whose bad-flag message is a UserError (one ``error:`` line with a fix, exit code 2; no usage block)."""
+
+    def error(self, message: str) -> NoReturn:
+        raise UserError("data/prepare.py", message, "see python data/prepare.py --help")
+
+
 def _parser() -> argparse.ArgumentParser:
-    p = argparse.ArgumentParser(prog="python -m deepzero.data.prepare", description=__doc__.split("\n")[0])
+    p = _OneLineParser(prog="python -m deepzero.data.prepare", description=__doc__.split("\n")[0])
     p.add_argument("--input", nargs="+", default=["stdlib"], help="paths, 'stdlib', or hf:NAME[:split]")
     p.add_argument("--tokenizer", default="train", help="saved tokenizer folder, hub id, or 'train'")
     p.add_argument("--seq-len", type=int, default=256, help="tokens per training sample (rows hold seq_len + 1)")
@@ -825,8 +840,8 @@ def _parser() -> argparse.ArgumentParser:
 
 def main(argv: Sequence[str] | None = None) -> int:
     """CLI entry point; returns the exit code (2 on a user error, printed as one line)."""
-    args = _parser().parse_args(argv)
     try:
+        args = _parser().parse_args(argv)
         prepare(
             args.input,
             args.out,

@@ -71,8 +71,11 @@ class PipelineSettings:
             problems.append(f"'pipeline.partition' {partition!r} is not one of {[*PARTITION_METHODS, 'type:<Class>']}")
         if not isinstance(interval, int) or isinstance(interval, bool) or interval < 0:
             problems.append(f"'pipeline.activation_checkpoint_interval' must be an integer >= 0, got {interval!r}")
-        zero = int(ds.get("zero_optimization", {}).get("stage", 0))
-        if zero > 1:
+        zero_section = ds.get("zero_optimization", {})
+        zero = zero_section.get("stage", 0) if isinstance(zero_section, dict) else zero_section
+        if not isinstance(zero, int) or isinstance(zero, bool):
+            problems.append(f"'zero_optimization.stage' must be 0 or 1 with a pipeline, got {zero!r}")
+        elif zero > 1:
             problems.append(f"ZeRO stage {zero} cannot be combined with pipeline parallelism (DeepSpeed allows 0 or 1)")
         if problems:
             raise UserError(where, "; ".join(problems), "edit the file or override with --ds pipeline.stages=3")
