@@ -35,7 +35,7 @@ class TrainArgs:
         default=None, **_help("Tokenizer folder or hub id. Default: the one the data was prepared with, else --model.")
     )
     data: str = field(
-        default=DEFAULT_DATA, **_help("Folder written by data/prepare.py (train.bin, val.bin, meta.json).")
+        default=DEFAULT_DATA, **_help("Folder written by data/prepare.py (meta.json and its train-*/val-* shards).")
     )
     out: str = field(default="runs/default", **_help("Run folder: metrics.jsonl, checkpoints/, hf/ export."))
     max_steps: int = field(default=200, **_help("Optimizer steps to train for (not micro-steps)."))
