@@ -61,10 +61,10 @@ def chat_setup(tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, Path]:
     return data, root / "model"
 
 
-def run(data: Path, model: Path, out: Path, ranks: int, accum: int) -> Path:
+def run(data: Path, model: Path, out: Path, ranks: int, accum: int, preset: str = "ds_configs/zero2.json") -> Path:
     launch(
         [
-            "--deepspeed_config", "ds_configs/zero2.json", "--precision", "fp32", "--model", str(model),
+            "--deepspeed_config", preset, "--precision", "fp32", "--model", str(model),
             "--data", str(data), "--out", str(out), "--max-steps", str(STEPS), "--micro-batch", str(MICRO),
             "--grad-accum", str(accum), "--lr", "1e-3", "--warmup-steps", "2", "--log-interval", "1",
             "--eval-interval", "0", "--save-interval", "0",
@@ -81,6 +81,7 @@ def runs(chat_setup: tuple[Path, Path], tmp_path_factory: pytest.TempPathFactory
     return {
         "1x3": run(data, model, root / "1x3", ranks=1, accum=GLOBAL // MICRO),
         "3x1": run(data, model, root / "3x1", ranks=3, accum=1),
+        "pipeline": run(data, model, root / "pipe", ranks=3, accum=GLOBAL // MICRO, preset="ds_configs/pipeline.json"),
     }
 
 
@@ -134,13 +135,15 @@ def test_one_rank_times_three_equals_three_ranks_times_one(runs: dict[str, Path]
         assert torch.allclose(a[key], b[key], atol=1e-5), key
 
 
-def test_runs_follow_the_direct_token_mean(runs: dict[str, Path], chat_setup: tuple[Path, Path]) -> None:
+@pytest.mark.parametrize("name", ["3x1", "pipeline"])
+def test_runs_follow_the_direct_token_mean(name: str, runs: dict[str, Path], chat_setup: tuple[Path, Path]) -> None:
+    """ZeRO on 3 ranks, and the pipeline engine (3 stages × accumulation 3, the loss on the last stage only)."""
     data_dir, model_dir = chat_setup
-    logged = records(runs["3x1"])
+    logged = records(runs[name])
     lrs = [0.0] + [r["lr"] for r in logged[:-1]]  # a record's lr is the next step's (WarmupLR starts at 0)
     curve, weights = direct_training(data_dir, model_dir, lrs)
     assert [r["loss"] for r in logged] == pytest.approx(curve, abs=1e-5)
-    trained = load_file(runs["3x1"] / "hf" / "model.safetensors")
+    trained = load_file(runs[name] / "hf" / "model.safetensors")
     start = load_file(model_dir / "model.safetensors")
     moved = sum(float((trained[k] - start[k]).norm() ** 2) for k in trained) ** 0.5
     off = sum(float((trained[k] - weights[k]).norm() ** 2) for k in trained) ** 0.5
