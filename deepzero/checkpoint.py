@@ -210,9 +210,11 @@ def fsync_dir(folder: Path) -> None:
 
 def checkpoint_bytes(params: int, trainable: int, param_bytes: int) -> int:
     """Bytes of one ZeRO checkpoint: every parameter in the training dtype (``param_bytes``: 2 for bf16/fp16, 4 for
-    fp32) plus the fp32 master weight and Adam moments of each trainable one (``plan.model_stats(config).total``
-    and the trainable count give the two numbers)."""
-    return params * param_bytes + trainable * ADAM_BYTES
+    fp32) plus Adam's two fp32 moments of each trainable one, and its fp32 master weight in 16-bit training (fp32
+    training steps the weights themselves). ``plan.model_stats(config).total`` and the trainable count give the
+    two numbers."""
+    master = 4 if param_bytes < 4 else 0
+    return params * param_bytes + trainable * (ADAM_BYTES - 4 + master)
 
 
 def check_disk_space(out_dir: Path, checkpoint: int, keep_last: int, export: int) -> str | None:
@@ -345,7 +347,7 @@ def _restore_buffers(engine: Any, tag_dir: Path) -> None:
     module = getattr(getattr(engine, "engine", None), "module", None)
     if not ((tag_dir / "zero").is_dir() and files and module is not None):
         return
-    saved = torch.load(files[0], map_location="cpu", weights_only=False)
+    saved = torch.load(files[0], map_location="cpu", weights_only=True)
     own = dict(module.named_buffers())
     buffers = {
         n: saved["module"][n] for n in saved.get("buffer_names", []) if n in saved.get("module", {}) and n in own

@@ -520,6 +520,7 @@ def test_disk_space_check(tmp_path: Path) -> None:
     with pytest.raises(UserError, match=r"not enough disk space for one checkpoint and the export"):
         checkpoint.check_disk_space(tmp_path / "run", free * 2, keep_last=2, export=0)
     assert checkpoint.checkpoint_bytes(10, 10, 2) == 140 and checkpoint.checkpoint_bytes(10, 1, 2) == 32
+    assert checkpoint.checkpoint_bytes(10, 10, 4) == 120  # fp32 training: no separate master copy
 
 
 def test_the_suite_tries_hundreds_of_cases() -> None:
