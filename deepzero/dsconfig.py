@@ -380,13 +380,19 @@ def _quiet(logger: logging.Logger) -> Iterator[None]:
 def deepspeed_problems(cfg: dict[str, Any], batch: BatchMath) -> list[str]:
     """What DeepSpeed's own config parser (run by ``deepspeed.initialize``) raises for this config, if anything.
 
-    Without a process group it assumes world size 1, so it sees the batch keys of one data-parallel rank (the
-    batch math against the real size is ours, :func:`resolve_batch`)."""
+    It divides the batch by the world size it sees: 1 without a process group, the whole world inside one (a
+    caller that resolves after ``init_distributed``). Its batch keys are set for that size, so it checks the rest;
+    the batch math against the real data-parallel size is ours, :func:`resolve_batch`."""
+    from deepspeed import comm
     from deepspeed.runtime.config import DeepSpeedConfig
 
-    one_rank = {**copy.deepcopy(cfg), "train_batch_size": batch.micro * batch.accum}
     try:
-        DeepSpeedConfig(one_rank)
+        seen_world = comm.get_world_size()
+    except (RuntimeError, AssertionError, AttributeError):
+        seen_world = 1
+    as_seen = {**copy.deepcopy(cfg), "train_batch_size": batch.micro * batch.accum * seen_world}
+    try:
+        DeepSpeedConfig(as_seen)
     except Exception as err:  # DeepSpeed raises AssertionError, ValueError, pydantic errors, ...
         return [f"DeepSpeed rejects it ({type(err).__name__}: {' '.join(str(err).split())[:200]})"]
     return []

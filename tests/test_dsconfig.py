@@ -178,3 +178,16 @@ def test_a_warmup_as_long_as_the_run_leaves_nothing_to_decay() -> None:
     hints = TrainingHints(max_steps=100, hidden_size=128, lr_schedule="cosine")  # the preset warms up for 500 steps
     with pytest.raises(UserError, match=r"'scheduler\.params\.warmup_num_steps' 500 leaves no steps to decay over"):
         resolve("ds_configs/zero2.json", dp_size=3, hints=hints)
+
+
+def test_resolving_inside_a_process_group_checks_the_batch_for_its_world(monkeypatch: pytest.MonkeyPatch) -> None:
+    """A loop that resolves after ``init_distributed`` (bench/bare_loop.py) gets the same config as one before it:
+    DeepSpeed's own parser then divides by the whole world, and its batch keys must be set for that."""
+    from deepspeed import comm
+
+    before = resolve("ds_configs/zero2.json", 3, TrainingHints(max_steps=10), kernels=NATIVE_16BIT)
+    monkeypatch.setattr(comm, "get_world_size", lambda *a, **k: 3)
+    monkeypatch.setattr(comm, "get_rank", lambda *a, **k: 0)
+    inside = resolve("ds_configs/zero2.json", 3, TrainingHints(max_steps=10), kernels=NATIVE_16BIT)
+    assert inside.batch == before.batch == BatchMath(4, 2, 3)
+    assert inside.ds == before.ds
