@@ -3,7 +3,9 @@
 A preset with a ``hub_id`` is a short name for that checkpoint: its weights load with the checkpoint's own
 config.json (``modeling.build_model``). For offline planning (plan, placement, FLOPs) the preset's architecture is
 read from the checkpoint's published config.json kept in ``deepzero/published/`` (sources in its SOURCES.md).
-Presets whose published config could not be found keep a restated architecture and say ``verified=False``.
+Presets whose published config was found only in part (``<org>--<name>.partial.json``) take the missing keys from
+a checkpoint of the same architecture; they and the one whose config was not found (DeepSeek-V3, plan only) say
+``verified=False``.
 Presets without a hub id are built with ``from_config`` and random weights.
 """
 
@@ -56,6 +58,22 @@ def published_config(hub_id: str) -> dict[str, Any] | None:
     """The checkpoint's published config.json as a dict, or None when the repository does not keep it."""
     path = published_path(hub_id)
     return json.loads(path.read_text()) if path.is_file() else None
+
+
+def partial_path(hub_id: str) -> Path:
+    """Where the head of a published config.json is kept when no stored copy has the whole file."""
+    return PUBLISHED_DIR / f"{hub_id.replace('/', '--')}.partial.json"
+
+
+def _partly_published(name: str, hub_id: str, rest_from: str, about: str) -> ModelPreset:
+    """A preset whose config.json was found only in part: the keys found, the rest from ``rest_from``'s published
+    config (a checkpoint of the same architecture). Not verified, and says so."""
+    head = json.loads(partial_path(hub_id).read_text())
+    rest = published_config(rest_from)
+    if rest is None:
+        raise FileNotFoundError(f"{published_path(rest_from)}: preset {name} takes its missing keys from it")
+    arch = {k: v for k, v in {**rest, **head}.items() if k not in LOADER_KEYS}
+    return ModelPreset(name, head["model_type"], arch, hub_id=hub_id, about=f"{about} (config partly verified)")
 
 
 def _published(name: str, hub_id: str, about: str) -> ModelPreset:
@@ -115,111 +133,73 @@ PRESETS: dict[str, ModelPreset] = {
             pretrain_lr=2e-3,
             pretrain_warmup_steps=30,
         ),
-        ModelPreset(
+        _published(
             "deepseek-coder-1.3b",
-            "llama",
-            dict(
-                hidden_size=2048,
-                intermediate_size=5504,
-                num_hidden_layers=24,
-                num_attention_heads=16,
-                num_key_value_heads=16,
-                vocab_size=32256,
-                max_position_embeddings=16384,
-                rope_theta=100000.0,
-                rope_scaling={"type": "linear", "factor": 4.0},  # stated in issue 13; config.json not verified
-                rms_norm_eps=1e-6,
-                tie_word_embeddings=False,
-            ),
-            hub_id="deepseek-ai/deepseek-coder-1.3b-base",
-            about="dense Llama-arch code model, 1.35B params (config not verified)",
+            "deepseek-ai/deepseek-coder-1.3b-base",
+            "dense Llama-arch code model, 1.35B params",
         ),
         _published(
             "deepseek-coder-1.3b-instruct",
             "deepseek-ai/deepseek-coder-1.3b-instruct",
             "dense Llama-arch code model, instruction-tuned, 1.35B params",
         ),
-        ModelPreset(
+        _published(
+            "deepseek-coder-6.7b",
+            "deepseek-ai/deepseek-coder-6.7b-base",
+            "dense Llama-arch code model, 6.7B params",
+        ),
+        _published(
+            "deepseek-coder-6.7b-instruct",
+            "deepseek-ai/deepseek-coder-6.7b-instruct",
+            "dense Llama-arch code model, instruction-tuned, 6.7B params",
+        ),
+        _published(
             "deepseek-llm-7b",
-            "llama",
-            dict(
-                hidden_size=4096,
-                intermediate_size=11008,
-                num_hidden_layers=30,
-                num_attention_heads=32,
-                num_key_value_heads=32,
-                vocab_size=102400,
-                max_position_embeddings=4096,
-                rms_norm_eps=1e-6,
-                tie_word_embeddings=False,
-            ),
-            hub_id="deepseek-ai/deepseek-llm-7b-base",
-            about="dense Llama-arch base model, 6.9B params (config not verified)",
+            "deepseek-ai/deepseek-llm-7b-base",
+            "dense Llama-arch base model, 6.9B params",
         ),
         _published(
             "deepseek-r1-distill-qwen-1.5b",
             "deepseek-ai/DeepSeek-R1-Distill-Qwen-1.5B",
             "dense Qwen2-arch reasoning distill, 1.78B params",
         ),
-        ModelPreset(
+        _published(
             "deepseek-r1-distill-qwen-7b",
-            "qwen2",
-            dict(
-                hidden_size=3584,
-                intermediate_size=18944,
-                num_hidden_layers=28,
-                num_attention_heads=28,
-                num_key_value_heads=4,
-                vocab_size=152064,
-                max_position_embeddings=131072,
-                rope_theta=10000.0,
-                rms_norm_eps=1e-6,
-                tie_word_embeddings=False,
-            ),
-            hub_id="deepseek-ai/DeepSeek-R1-Distill-Qwen-7B",
-            about="dense Qwen2-arch reasoning distill, 7.6B params (config not verified)",
+            "deepseek-ai/DeepSeek-R1-Distill-Qwen-7B",
+            "dense Qwen2-arch reasoning distill, 7.6B params",
         ),
-        ModelPreset(
+        _published(
+            "deepseek-r1-distill-llama-8b",
+            "deepseek-ai/DeepSeek-R1-Distill-Llama-8B",
+            "dense Llama-3.1-arch reasoning distill, 8.0B params",
+        ),
+        _published(
+            "deepseek-r1-distill-qwen-14b",
+            "deepseek-ai/DeepSeek-R1-Distill-Qwen-14B",
+            "dense Qwen2-arch reasoning distill, 14.8B params",
+        ),
+        _partly_published(
             "deepseek-v2-lite",
-            "deepseek_v2",
-            dict(
-                hidden_size=2048,
-                intermediate_size=10944,
-                moe_intermediate_size=1408,
-                num_hidden_layers=27,
-                num_attention_heads=16,
-                num_key_value_heads=16,
-                n_routed_experts=64,
-                n_shared_experts=2,
-                num_experts_per_tok=6,
-                first_k_dense_replace=1,
-                q_lora_rank=None,
-                kv_lora_rank=512,
-                qk_rope_head_dim=64,
-                qk_nope_head_dim=128,
-                v_head_dim=128,
-                topk_method="greedy",
-                vocab_size=102400,
-                max_position_embeddings=163840,
-                rope_scaling={  # stated in issue 13; config.json not verified
-                    "type": "yarn",
-                    "factor": 40,
-                    "mscale": 0.707,
-                    "mscale_all_dim": 0.707,
-                    "original_max_position_embeddings": 4096,
-                    "beta_fast": 32,
-                    "beta_slow": 1,
-                },
-                rms_norm_eps=1e-6,
-                tie_word_embeddings=False,
-            ),
-            hub_id="deepseek-ai/DeepSeek-V2-Lite",
-            about="MoE with MLA, 15.7B total / 2.4B active params (config not verified)",
+            "deepseek-ai/DeepSeek-V2-Lite",
+            "deepseek-ai/DeepSeek-V2-Lite-Chat",
+            "MoE with MLA, 15.7B total / 2.4B active params",
         ),
         _published(
             "deepseek-v2-lite-chat",
             "deepseek-ai/DeepSeek-V2-Lite-Chat",
             "MoE with MLA, chat-tuned V2-Lite, 15.7B total / 2.4B active params",
+        ),
+        _partly_published(
+            "deepseek-coder-v2-lite",
+            "deepseek-ai/DeepSeek-Coder-V2-Lite-Base",
+            "deepseek-ai/DeepSeek-V2-Lite-Chat",
+            "MoE code model with MLA, 15.7B total / 2.4B active params",
+        ),
+        _partly_published(
+            "deepseek-coder-v2-lite-instruct",
+            "deepseek-ai/DeepSeek-Coder-V2-Lite-Instruct",
+            "deepseek-ai/DeepSeek-V2-Lite-Chat",
+            "MoE code model with MLA, instruction-tuned, 15.7B total / 2.4B active params",
         ),
         ModelPreset(
             "deepseek-v3",
