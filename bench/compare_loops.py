@@ -25,7 +25,16 @@ import time
 from pathlib import Path
 from typing import Any
 
-from bench.scaling import launch, machine, quiet_default, repo_path, train_records, wait_for_quiet, window_step_times
+from bench.scaling import (
+    launch,
+    machine,
+    quiet_default,
+    repo_path,
+    train_records,
+    wait_for_quiet,
+    window_step_times,
+    write_results,
+)
 
 # name -> (launch target, launched as a module)
 LOOPS: dict[str, tuple[str, bool]] = {
@@ -204,12 +213,7 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     }
     if set(args.loops) == set(LOOPS):
         result["summary"] = summarize(runs, cfg.batch.global_batch * seq_len)
-        text = markdown(result)
-        results = repo_path(args.results)
-        results.mkdir(parents=True, exist_ok=True)
-        (results / "compare_loops.json").write_text(json.dumps(result, indent=2) + "\n")
-        (results / "compare_loops.md").write_text(text)
-        print(text)
+        write_results(args.results, "compare_loops", result, markdown(result))
     else:
         result["runs"] = runs  # a partial comparison is printed, never written over the full one
         print(json.dumps({n: [r["step_time_s"] for r in rs] for n, rs in runs.items()}, indent=2))

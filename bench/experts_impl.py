@@ -19,14 +19,13 @@ times each implementation once, in rotating order) and the median per implementa
 from __future__ import annotations
 
 import argparse
-import json
 import statistics
 import time
 from typing import Any
 
 import torch
 
-from bench.scaling import machine, repo_path
+from bench.scaling import machine, write_results
 from deepzero.presets import PRESETS
 
 IMPLEMENTATIONS = ("eager", "batched_mm", "grouped_mm")
@@ -219,11 +218,7 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
         "sizes": [time_size(size, args) for size in args.sizes],
     }
     name = "experts_impl" + (f"-{args.tag}" if args.tag else "")
-    results = repo_path(args.results)
-    results.mkdir(parents=True, exist_ok=True)
-    (results / f"{name}.json").write_text(json.dumps(result, indent=2) + "\n")
-    (results / f"{name}.md").write_text(markdown(result))
-    print(markdown(result))
+    write_results(args.results, name, result, markdown(result))
     return result
 
 

@@ -29,7 +29,7 @@ from typing import Any
 
 import torch
 
-from bench.scaling import machine, repo_path
+from bench.scaling import machine, repo_path, write_results
 
 NO_CUDA = 3
 DENSE_TARGET_MFU = 0.40
@@ -272,11 +272,7 @@ def report(args: argparse.Namespace) -> dict[str, Any]:
     dense = cases.get("dense-1.3b")
     if dense and dense.get("mfu_datasheet") is not None:
         result["dense_target_met"] = dense["mfu_datasheet"] >= DENSE_TARGET_MFU
-    results = repo_path(args.results)
-    results.mkdir(parents=True, exist_ok=True)
-    (results / "gpu.json").write_text(json.dumps(result, indent=2) + "\n")
-    (results / "gpu.md").write_text(markdown(result))
-    print(markdown(result))
+    write_results(args.results, "gpu", result, markdown(result))
     return result
 
 

@@ -45,6 +45,15 @@ def repo_path(path: str | Path) -> Path:
     return path if path.is_absolute() else REPO / path
 
 
+def write_results(results: str | Path, name: str, result: dict[str, Any], text: str) -> None:
+    """Write ``<results>/<name>.json`` and ``<name>.md`` (relative to the repository root) and print the markdown."""
+    folder = repo_path(results)
+    folder.mkdir(parents=True, exist_ok=True)
+    (folder / f"{name}.json").write_text(json.dumps(result, indent=2) + "\n")
+    (folder / f"{name}.md").write_text(text)
+    print(text)
+
+
 def launch_env() -> dict[str, str]:
     """The environment for a launched run: on a CPU-only machine, DeepSpeed's CPU accelerator and 1 thread a rank."""
     env = {**os.environ, "PYTHONUNBUFFERED": "1"}
@@ -325,11 +334,7 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
             f" jobs), so the best possible efficiency here is about {cores / args.ranks:.0%}: this number checks"
             " that the N-rank path works and what its communication costs, not the GPU scaling."
         )
-    results = repo_path(args.results)
-    results.mkdir(parents=True, exist_ok=True)
-    (results / "scaling.json").write_text(json.dumps(result, indent=2) + "\n")
-    (results / "scaling.md").write_text(markdown(result))
-    print(markdown(result))
+    write_results(args.results, "scaling", result, markdown(result))
     return result
 
 
