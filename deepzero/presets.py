@@ -11,6 +11,7 @@ Presets without a hub id are built with ``from_config`` and random weights.
 
 from __future__ import annotations
 
+import copy
 import json
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -40,8 +41,9 @@ class ModelPreset:
     """True when ``arch`` is read from the checkpoint's published config.json in deepzero/published/."""
 
     def config(self, **overrides: Any) -> PretrainedConfig:
-        """A Transformers config for this architecture (no weights, no download)."""
-        return AutoConfig.for_model(self.model_type, **{**self.arch, **overrides})
+        """A Transformers config for this architecture (no weights, no download). Built from a copy: Transformers
+        folds ``rope_theta`` into the ``rope_scaling`` dict it is given, which would change the preset."""
+        return AutoConfig.for_model(self.model_type, **copy.deepcopy({**self.arch, **overrides}))
 
 
 PUBLISHED_DIR = Path(__file__).resolve().parent / "published"

@@ -6,6 +6,7 @@ Transformers 5 renames one thing on the way: ``rope_scaling`` + ``rope_theta`` b
 
 from __future__ import annotations
 
+import copy
 import json
 from pathlib import Path
 from typing import Any
@@ -77,6 +78,15 @@ def test_every_published_file_has_a_verified_preset_that_reads_it() -> None:
         published = published_config(preset.hub_id)
         assert preset.model_type == published["model_type"]
         assert preset.arch == {k: v for k, v in published.items() if k not in LOADER_KEYS}  # no restated dict
+
+
+@pytest.mark.parametrize("preset", [p for p in PRESETS.values() if "rope_scaling" in p.arch], ids=lambda p: p.name)
+def test_building_a_config_leaves_the_preset_unchanged(preset: ModelPreset) -> None:
+    """Transformers writes rope_theta and rope_type into the rope_scaling dict it is given; the preset's must not
+    change (it did: a second config and the key-by-key check then saw the first one's additions)."""
+    before = copy.deepcopy(preset.arch)
+    assert preset.config().rope_parameters == preset.config().rope_parameters
+    assert preset.arch == before
 
 
 @pytest.mark.parametrize("preset", VERIFIED, ids=lambda p: p.name)
