@@ -31,8 +31,18 @@ from deepzero.errors import UserError
 TAG_RE = re.compile(r"^step(\d{8})$")
 ADAM_BYTES = 12
 """Per trainable parameter in a ZeRO checkpoint: fp32 master weight + Adam's two fp32 moments."""
-WRITE_ERRORS = ("file write failed", "unexpected pos", "No space left", "Disk quota", "Input/output error")
-"""torch.save reports a failed write as a RuntimeError from its zip writer; these mark it as an I/O failure."""
+WRITE_ERRORS = (
+    "file write failed",
+    "unexpected pos",
+    "No space left",
+    "Disk quota",
+    "Input/output error",
+    "iostream error",
+)
+"""torch.save reports a failed write as a RuntimeError from its zip writer (or its C++ stream: "basic_ios::clear:
+iostream error"); these mark it as an I/O failure."""
+NEARLY_FULL_BYTES = 16 << 20
+"""Free space under which a write failure that names no cause is taken for a full disk."""
 
 
 @dataclass
@@ -97,14 +107,14 @@ def save(engine: Any, ckpt_dir: Path, state: TrainState, keep_last: int) -> Path
     failure = _write(engine, ckpt_dir, partial, state, rank)
     _barrier()
     if failure is None:
-        failure = _attempt(lambda: _fsync_files(partial, rank, world))
+        failure = _attempt(lambda: _fsync_files(partial, rank, world), ckpt_dir)
     code = int(_all_reduce_max(float(failure[0] if failure else 0)))  # every rank learns whether any failed
     if code:
         if rank == 0:
             shutil.rmtree(partial, ignore_errors=True)
         _barrier()
         raise SaveFailed(ckpt_dir, tag, failure[1] if failure else os.strerror(code), code)
-    failure = _attempt(lambda: _publish(ckpt_dir, partial, tag, keep_last)) if rank == 0 else None
+    failure = _attempt(lambda: _publish(ckpt_dir, partial, tag, keep_last), ckpt_dir) if rank == 0 else None
     code = int(_all_reduce_max(float(failure[0] if failure else 0)))  # also the barrier that ends the save
     if code:
         raise SaveFailed(ckpt_dir, tag, failure[1] if failure else os.strerror(code), code)
@@ -162,16 +172,17 @@ def _write(engine: Any, ckpt_dir: Path, partial: Path, state: TrainState, rank: 
     failure = _attempt(
         lambda: engine.save_checkpoint(
             str(ckpt_dir), tag=partial.name, client_state=state.to_client_state(), save_latest=False
-        )
+        ),
+        ckpt_dir,
     )
     if failure is not None:
         _barrier()
         return failure
-    return _attempt(lambda: torch.save(_rng_state(), partial / f"rng_rank{rank:03d}.pt"))
+    return _attempt(lambda: torch.save(_rng_state(), partial / f"rng_rank{rank:03d}.pt"), ckpt_dir)
 
 
-def _attempt(write: Any) -> tuple[int, str] | None:
-    """Run ``write``; an OSError or torch's zip-writer RuntimeError becomes (errno, one-line reason)."""
+def _attempt(write: Any, folder: Path) -> tuple[int, str] | None:
+    """Run ``write`` (into ``folder``); an OSError or torch's write RuntimeError becomes (errno, one-line reason)."""
     try:
         write()
     except OSError as err:
@@ -180,7 +191,8 @@ def _attempt(write: Any) -> tuple[int, str] | None:
         text = " ".join(str(err).split())
         if not any(marker in text for marker in WRITE_ERRORS):
             raise
-        code = errno.ENOSPC if "No space" in text or "unexpected pos" in text else errno.EIO
+        full = "No space" in text or "unexpected pos" in text or shutil.disk_usage(folder).free < NEARLY_FULL_BYTES
+        code = errno.ENOSPC if full else errno.EIO
         return code, f"{os.strerror(code)}: torch.save: {text[:120]}"
     return None
 

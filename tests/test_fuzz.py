@@ -483,10 +483,20 @@ def test_checkpoint_folders(tmp_path: Path) -> None:
     assert not wrong, wrong
 
 
-def test_no_partial_checkpoint_is_published_when_a_write_fails(tmp_path: Path) -> None:
-    """checkpoint.save with a write failure injected (ENOSPC from torch.save's zip writer): one SaveFailed naming the
-    last good checkpoint, the .partial folder removed, ``latest`` unchanged. The real full disk is in
-    test_reliability (tmpfs)."""
+WRITE_FAILURES = {
+    "[enforce fail at inline_container.cc:672] . unexpected pos 128 vs 0": (
+        "No space left on device",
+        "free space under",
+    ),
+    "basic_ios::clear: iostream error": ("Input/output error", "check the disk under"),  # with free space: not ENOSPC
+}
+
+
+@pytest.mark.parametrize("message", WRITE_FAILURES)
+def test_no_partial_checkpoint_is_published_when_a_write_fails(tmp_path: Path, message: str) -> None:
+    """checkpoint.save with a write failure injected (the RuntimeErrors torch.save raises when its zip writer or its
+    C++ stream fails, both seen on a full tmpfs): one SaveFailed naming the last good checkpoint, the .partial folder
+    removed, ``latest`` unchanged. The real full disk is in test_reliability (tmpfs)."""
 
     class Engine:
         def __init__(self, fail: bool) -> None:
@@ -496,17 +506,18 @@ def test_no_partial_checkpoint_is_published_when_a_write_fails(tmp_path: Path) -
             (Path(save_dir) / tag).mkdir(parents=True)
             torch.save({"w": torch.ones(3)}, Path(save_dir) / tag / "mp_rank_00_model_states.pt")
             if self.fail:
-                raise RuntimeError("[enforce fail at inline_container.cc:672] . unexpected pos 128 vs 0")
+                raise RuntimeError(message)
 
     ckpt = tmp_path / "checkpoints"
     checkpoint.save(Engine(False), ckpt, checkpoint.TrainState(step=1), keep_last=2)
     with pytest.raises(UserError) as err:
         checkpoint.save(Engine(True), ckpt, checkpoint.TrainState(step=2), keep_last=2)
     TRIED["injected write failure"] += 1
+    reason, fix = WRITE_FAILURES[message]
     assert str(err.value) == (
-        f"{ckpt}/step00000002: saving the checkpoint failed (No space left on device: torch.save: [enforce fail at"
-        " inline_container.cc:672] . unexpected pos 128 vs 0); removed the partial folder, the last good checkpoint"
-        f" is {ckpt}/step00000001. Fix: free space under {ckpt} (or lower --keep-last), then --resume"
+        f"{ckpt}/step00000002: saving the checkpoint failed ({reason}: torch.save: {message}); removed the partial"
+        f" folder, the last good checkpoint is {ckpt}/step00000001. Fix: {fix} {ckpt} (or lower --keep-last), then"
+        " --resume"
     )
     assert sorted(p.name for p in ckpt.iterdir()) == ["latest", "step00000001"]
     assert checkpoint.latest_tag(ckpt) == "step00000001"
