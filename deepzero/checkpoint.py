@@ -9,6 +9,9 @@ Durable: every file of the new folder, the folder and ``checkpoints/`` are fsync
 power loss after the switch cannot leave ``latest`` naming files still in the page cache (cost: docs/reliability.md).
 A save that fails to write (disk full, quota, I/O error) removes its ``.partial`` folder and ends every rank with
 one line naming the last good checkpoint (:class:`SaveFailed`).
+
+Only rank 0 publishes, so every rank must write into the same folder: :func:`check_shared_storage` verifies at
+start that every rank sees a file rank 0 wrote there (a multi-node run needs a shared filesystem).
 """
 
 from __future__ import annotations
@@ -16,6 +19,7 @@ from __future__ import annotations
 import errno
 import os
 import re
+import secrets
 import shutil
 import time
 import zipfile
@@ -144,6 +148,81 @@ def _publish(ckpt_dir: Path, partial: Path, tag: str, keep_last: int) -> None:
         ckpt_dir.joinpath(".latest.tmp").unlink(missing_ok=True)
         raise
     _prune(ckpt_dir, keep_last, keep=tag)
+
+
+SHARED_MARKER = ".shared-check-{token}"
+"""The start-of-run marker in the checkpoint folder (a fresh name per run: no node has a cached lookup of it)."""
+SHARED_WAIT_S = 3.0
+"""How long a rank that does not see the marker keeps looking (a network filesystem's attribute cache)."""
+NODE_LOCAL_KEY = "checkpoint.use_node_local_storage"
+
+
+def check_shared_storage(ckpt_dir: Path, ds: dict[str, Any], config_path: str) -> None:
+    """Refuse, on every rank with one line, a run whose ranks do not all see the same ``ckpt_dir``.
+
+    Rank 0 writes a marker with a random token there, broadcasts the token (the broadcast orders the write before
+    the reads), every rank reads the marker, one all-reduce names the ranks that do not see it, rank 0 removes it.
+    DeepSpeed's node-local storage (each node's local rank 0 writes its own files) is refused outright: rank 0
+    alone renames ``.partial``, writes ``latest`` and prunes, so the other nodes' files would never be published.
+    """
+    if (ds.get("checkpoint") or {}).get("use_node_local_storage"):
+        raise UserError(
+            f"{config_path}: {NODE_LOCAL_KEY}",
+            "node-local checkpoint storage is not supported (rank 0 alone publishes a checkpoint, so the other nodes'"
+            " files would never be part of it)",
+            "remove it (or --ds checkpoint.use_node_local_storage=false) and put --out on a filesystem every node"
+            " shares",
+        )
+    if not dist.is_initialized() or dist.get_world_size() == 1:
+        return
+    from deepzero.distributed import broadcast_int, ranks_where
+
+    rank, world = dist.get_rank(), dist.get_world_size()
+    token = secrets.randbits(62) + 1 if rank == 0 else 0
+    marker = ckpt_dir / SHARED_MARKER.format(token=token)
+    if rank == 0:
+        try:
+            ckpt_dir.mkdir(parents=True, exist_ok=True)
+            _write_atomic(marker, f"{token}\n")
+        except OSError:
+            token = -1  # check_writable passed moments ago; whatever it is, no rank can publish
+    token = broadcast_int(token)
+    marker = ckpt_dir / SHARED_MARKER.format(token=token)
+    blind = ranks_where(token < 0 or not _sees(marker, str(token)))
+    if rank == 0:
+        marker.unlink(missing_ok=True)
+    if blind:
+        raise UserError(
+            str(ckpt_dir),
+            f"{'rank' if len(blind) == 1 else 'ranks'} {_ranks(blind)} of {world} do not see the file rank 0 wrote there, and only rank 0 publishes a"
+            " checkpoint, so every rank must write into the same folder",
+            "put --out on a filesystem that every node mounts at the same path (NFS, Lustre, ...)",
+        )
+
+
+def _sees(marker: Path, token: str) -> bool:
+    """Whether ``marker`` holds ``token`` here, looking again for up to ``SHARED_WAIT_S``."""
+    deadline = time.monotonic() + SHARED_WAIT_S
+    while True:
+        try:
+            if marker.read_text().strip() == token:
+                return True
+        except OSError:
+            pass
+        if time.monotonic() > deadline:
+            return False
+        time.sleep(0.2)
+
+
+def _ranks(ranks: list[int]) -> str:
+    """``[0, 1, 2, 5]`` as ``0-2, 5``."""
+    runs: list[list[int]] = []
+    for r in ranks:
+        if runs and r == runs[-1][-1] + 1:
+            runs[-1].append(r)
+        else:
+            runs.append([r])
+    return ", ".join(f"{run[0]}-{run[-1]}" if len(run) > 1 else str(run[0]) for run in runs)
 
 
 class SaveFailed(UserError):

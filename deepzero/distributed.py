@@ -53,14 +53,38 @@ def all_reduce_mean(t: torch.Tensor) -> float:
     return t.item()
 
 
-def all_reduce_max(x: float) -> float:
-    """The largest ``x`` over every rank (gloo reduces host tensors; NCCL needs them on the card)."""
-    t = torch.tensor(x)
+def _comm_tensor(t: torch.Tensor) -> torch.Tensor:
+    """``t`` where the group's collectives take it: gloo reduces host tensors, NCCL needs them on the card."""
     if dist.is_initialized() and dist.get_backend() != "gloo":
-        t = t.to(get_accelerator().current_device_name())
+        return t.to(get_accelerator().current_device_name())
+    return t
+
+
+def all_reduce_max(x: float) -> float:
+    """The largest ``x`` over every rank."""
+    t = _comm_tensor(torch.tensor(x))
     if dist.is_initialized():
         dist.all_reduce(t, op=dist.ReduceOp.MAX)
     return t.item()
+
+
+def broadcast_int(x: int) -> int:
+    """Rank 0's ``x`` on every rank (an int64)."""
+    t = _comm_tensor(torch.tensor(x, dtype=torch.int64))
+    if dist.is_initialized():
+        dist.broadcast(t, src=0)
+    return int(t.item())
+
+
+def ranks_where(flag: bool) -> list[int]:
+    """The global ranks whose ``flag`` is true, the same list on every rank (one all-reduce of world-size bytes)."""
+    if not dist.is_initialized():
+        return [0] if flag else []
+    flags = torch.zeros(dist.get_world_size(), dtype=torch.int32)
+    flags[dist.get_rank()] = int(flag)
+    flags = _comm_tensor(flags)
+    dist.all_reduce(flags)
+    return [r for r, f in enumerate(flags.tolist()) if f]
 
 
 def exit_process(code: int) -> NoReturn:

@@ -5,6 +5,9 @@ Each "node" runs what launch/multi_node.sh --no_ssh runs on a real node:
 With --no_ssh DeepSpeed still sizes the job from the hostfile (one ``name slots=K`` line per node, in node-rank
 order); the names are never resolved or contacted in this mode, so ``node0``/``node1`` work on a single machine.
 The 2 × 2 job must train exactly like one launcher with ``--num_gpus=4``: same global ranks, same batches, fp32.
+
+Storage that is not shared (each node writes the same path onto its own disk) is simulated by giving node 1 its own
+``--out``: its ranks then write into a folder node 0 never sees, which is what a node-local disk does to them.
 """
 
 from __future__ import annotations
@@ -18,7 +21,7 @@ import time
 from pathlib import Path
 
 import pytest
-from conftest import REPO, cpu_env, free_port, launch, losses, records
+from conftest import REPO, cpu_env, free_port, launch, losses, records, run_bounded
 
 pytestmark = pytest.mark.launcher
 
@@ -36,8 +39,11 @@ def run_args(data: Path, out: Path) -> list[str]:
     ]  # fmt: skip
 
 
-def launch_nodes(args: list[str], hostfile: Path, logs: Path) -> list[tuple[int, str]]:
-    """Start one launcher per node rank at once (they rendezvous through the master); wait, kill all on failure.
+def launch_nodes(
+    args: list[str], hostfile: Path, logs: Path, node_args: list[list[str]] | None = None, wait_all: bool = False
+) -> list[tuple[int, str]]:
+    """Start one launcher per node rank at once (they rendezvous through the master); wait, kill all on failure
+    (``wait_all``: let every node end by itself). ``node_args[n]`` is appended to node n's arguments.
     Returns (exit code, output) per node."""
     deepspeed = Path(sys.executable).parent / "deepspeed"
     port = free_port()
@@ -47,6 +53,7 @@ def launch_nodes(args: list[str], hostfile: Path, logs: Path) -> list[tuple[int,
         for node in range(NODES):
             cmd = [str(deepspeed), f"--hostfile={hostfile}", "--no_ssh", f"--node_rank={node}"]
             cmd += ["--master_addr=127.0.0.1", f"--master_port={port}", "train.py", *args]
+            cmd += node_args[node] if node_args else []
             log = (logs / f"node{node}.log").open("w+")
             files.append(log)
             procs.append(
@@ -62,7 +69,8 @@ def launch_nodes(args: list[str], hostfile: Path, logs: Path) -> list[tuple[int,
             )
         deadline = time.monotonic() + TIMEOUT
         while any(p.poll() is None for p in procs):
-            if any(p.returncode not in (None, 0) for p in procs) or time.monotonic() > deadline:
+            failed = not wait_all and any(p.returncode not in (None, 0) for p in procs)
+            if failed or time.monotonic() > deadline:
                 break  # one node failed (the other would wait for it forever) or the whole job hangs
             time.sleep(0.5)
     finally:
@@ -109,3 +117,46 @@ def test_two_nodes_of_two_ranks_match_one_node_of_four(tiny_data: Path, tmp_path
     assert grads[0] == pytest.approx(grads[1], rel=1e-4)
     assert a[STEPS] < a[1]
     assert (multi / "checkpoints" / "latest").read_text() == f"step{STEPS:08d}"
+    assert not list((multi / "checkpoints").glob(".shared-check-*"))  # the start-of-run marker is removed
+
+
+def test_two_nodes_that_do_not_share_the_checkpoint_folder_stop_with_one_line(tiny_data: Path, tmp_path: Path) -> None:
+    """Node 1's ranks write into their own folder (a node-local disk): every rank stops at start with one line."""
+    hostfile = tmp_path / "hostfile"
+    hostfile.write_text("".join(f"node{i} slots={SLOTS}\n" for i in range(NODES)))
+    shared, local = tmp_path / "shared", tmp_path / "node1-disk"
+    args = run_args(tiny_data, shared)
+    start = time.monotonic()
+    results = launch_nodes(args, hostfile, tmp_path, node_args=[[], ["--out", str(local)]], wait_all=True)
+    seconds = time.monotonic() - start
+    fix = "Fix: put --out on a filesystem that every node mounts at the same path (NFS, Lustre, ...)"
+    problem = "ranks 2-3 of 4 do not see the file rank 0 wrote there, and only rank 0 publishes a checkpoint"
+    for node, (code, out) in enumerate(results):
+        assert code == 2, f"node {node} exit {code}\n{out[-4000:]}"
+        assert "Traceback" not in out, out[-4000:]
+    lines = [out.splitlines() for _, out in results]
+    for rank in range(NODES * SLOTS):  # every rank says it, each naming the folder it writes into
+        folder = (shared if rank < SLOTS else local) / "checkpoints"
+        prefix = f"[rank {rank}] " if rank else ""
+        line = f"{prefix}error: {folder}: {problem}, so every rank must write into the same folder. {fix}"
+        assert line in lines[rank // SLOTS], "\n".join(lines[rank // SLOTS][-30:])
+    assert list((shared / "checkpoints").iterdir()) == []  # no marker left, nothing published
+    assert not (local / "checkpoints").exists() or not list((local / "checkpoints").iterdir())
+    assert not (shared / "metrics.jsonl").exists()  # refused before the model and the metrics sink
+    print(f"refused in {seconds:.1f} s (both launchers, start to exit)")
+
+
+def test_node_local_checkpoint_storage_is_refused(tiny_data: Path, tmp_path: Path) -> None:
+    """DeepSpeed's node-local storage has each node's local rank 0 write its own files; deepzero publishes from
+    rank 0 only, so the option is refused in one line (here on one process: the option is never supported)."""
+    args = run_args(tiny_data, tmp_path / "out")
+    args.insert(args.index("fp16.enabled=false") + 1, "checkpoint.use_node_local_storage=true")
+    proc = run_bounded([sys.executable, "train.py", *args], timeout=300)
+    assert proc.returncode == 2, proc.stderr[-3000:]
+    assert proc.stderr.strip().splitlines()[-1] == (
+        "error: ds_configs/zero2.json: checkpoint.use_node_local_storage: node-local checkpoint storage is not"
+        " supported (rank 0 alone publishes a checkpoint, so the other nodes' files would never be part of it)."
+        " Fix: remove it (or --ds checkpoint.use_node_local_storage=false) and put --out on a filesystem every"
+        " node shares"
+    )
+    assert "Traceback" not in proc.stderr
