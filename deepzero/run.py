@@ -92,14 +92,11 @@ def plan_run(args: TrainArgs, world: int) -> RunPlan:
     source = modeling.resolve_model(args.model)
     config = modeling.load_config(source, args.trust_remote_code)
     preset = PRESETS.get(args.model)
-    from_scratch = preset is not None and preset.hub_id is None and preset.pretrain_lr is not None
-    scratch_warmup = from_scratch and args.lr is None and args.warmup_steps is None
-    hints = dsconfig.TrainingHints(  # the preset's lr is what "lr": "auto" means; a number in the JSON wins
+    from_scratch = preset is not None and preset.hub_id is None and args.lr is None
+    hints = dsconfig.TrainingHints(
         max_steps=args.max_steps,
-        lr=args.lr,
-        default_lr=preset.pretrain_lr if from_scratch else None,
-        default_lr_source=f"model preset {args.model}, random init" if from_scratch else "the fine-tuning default",
-        warmup_steps=preset.pretrain_warmup_steps if scratch_warmup else args.warmup_steps,
+        lr=preset.pretrain_lr if from_scratch else args.lr,
+        warmup_steps=preset.pretrain_warmup_steps if from_scratch and args.warmup_steps is None else args.warmup_steps,
         micro_batch=args.micro_batch,
         grad_accum=args.grad_accum,
         hidden_size=config.hidden_size,
@@ -119,7 +116,11 @@ def plan_run(args: TrainArgs, world: int) -> RunPlan:
         warn(f"{cfg.precision_choice.describe()}. Fix: pass --precision to choose another")
     if not source.random_init and (risk := fp16_risk(config, cfg.precision_choice, args.model)):
         warn(risk)
-    lr_source = cfg.lr_source
+    lr_source = (
+        f"model preset {args.model} (random init, from scratch)"
+        if from_scratch
+        else ("--lr" if args.lr is not None else args.deepspeed_config)
+    )
     seq_len = int(meta["seq_len"])
     if seq_len > config.max_position_embeddings:
         raise UserError(
@@ -127,15 +128,14 @@ def plan_run(args: TrainArgs, world: int) -> RunPlan:
             f"seq_len {seq_len} exceeds the model's max_position_embeddings {config.max_position_embeddings}",
             f"re-run data/prepare.py with --seq-len {config.max_position_embeddings} or less",
         )
-    tokenizer = plan_tokenizer(args, meta)
-    vocab = len(tokenizer) if source.random_init else max(len(tokenizer), config.vocab_size)  # make_model's embedding
-    train_data = PackedDataset(args.data, "train", documents=args.packing == "documents", vocab_size=vocab)
+    train_data = PackedDataset(args.data, "train", documents=args.packing == "documents")
     check_enough_rows(len(train_data), cfg.batch.global_batch, "train")
-    val_data = usable_val_split(args, meta, cfg.batch, vocab)
+    val_data = usable_val_split(args, meta, cfg.batch)
+    tokenizer = plan_tokenizer(args, meta)
     check_disk(args, config, cfg.precision)
     if args.resume:
         checkpoint.check_resumable(args.checkpoint_dir, settings.dp_size(world))
-    if warning := check_fit(config, settings, cfg, seq_len, world_size=world, pretrained=not source.random_init):
+    if warning := check_fit(config, cfg.ds, world, None, seq_len, gradient_checkpointing=args.gradient_checkpointing):
         warn(warning)
     return RunPlan(source, config, cfg, settings, lr_source, seq_len, train_data, val_data, tokenizer, balance)
 
@@ -195,14 +195,11 @@ def choose_engine(args: TrainArgs) -> EngineSettings:
     )
 
 
-def usable_val_split(
-    args: TrainArgs, meta: dict[str, Any], batch: dsconfig.BatchMath, vocab_size: int | None = None
-) -> PackedDataset | None:
-    """The val split (its ids checked against ``vocab_size`` as read), or None (with a warning) when it cannot
-    fill one evaluation round."""
+def usable_val_split(args: TrainArgs, meta: dict[str, Any], batch: dsconfig.BatchMath) -> PackedDataset | None:
+    """The val split, or None (with a warning) when it cannot fill one evaluation round."""
     if not meta["n_rows"].get("val"):
         return None
-    val_data = PackedDataset(args.data, "val", documents=args.packing == "documents", vocab_size=vocab_size)
+    val_data = PackedDataset(args.data, "val", documents=args.packing == "documents")
     if args.eval_interval and len(val_data) < batch.micro * batch.dp_size:
         warn(
             f"{args.data}: val split has {len(val_data)} rows, fewer than one eval round (micro {batch.micro}"
@@ -252,7 +249,6 @@ def setup(args: TrainArgs) -> Run:
     run_config = {
         "args": vars(args),
         "deepspeed": plan.cfg.ds,
-        "lr_source": plan.lr_source,
         "precision": plan.cfg.precision_choice.to_json(),
         "moe_balance": plan.balance.to_json(),
         "env": redact(report.launch_env()),
