@@ -39,7 +39,14 @@ class TrainArgs:
     )
     out: str = field(default="runs/default", **_help("Run folder: metrics.jsonl, checkpoints/, hf/ export."))
     max_steps: int = field(default=200, **_help("Optimizer steps to train for (not micro-steps)."))
-    lr: float | None = field(default=None, **_help("Override the optimizer lr (and the scheduler's peak lr)."))
+    lr: float | None = field(
+        default=None,
+        **_help(
+            "Peak lr: sets optimizer.params.lr and the scheduler's warmup_max_lr, whatever the JSON says. Default: the"
+            " JSON's lr; \"auto\" there (the shipped presets) is the model preset's pretraining lr for a random-init"
+            " preset, else 3e-5. The run header says which lr won and where it came from."
+        ),
+    )
     warmup_steps: int | None = field(default=None, **_help("Override the scheduler's warmup_num_steps."))
     lr_schedule: Literal["constant", "cosine", "linear"] | None = field(
         default=None,

@@ -167,6 +167,11 @@ class TrainingHints:
 
     max_steps: int
     lr: float | None = None
+    """``--lr``: the optimizer lr and the schedule's peak, whatever the JSON says."""
+    default_lr: float | None = None
+    """What ``"lr": "auto"`` trains at: the model preset's lr (None: :data:`FINETUNE_LR`)."""
+    default_lr_source: str = "the fine-tuning default"
+    """Where ``default_lr`` comes from, for the run header and run_config.json."""
     warmup_steps: int | None = None
     micro_batch: int | None = None
     grad_accum: int | None = None
@@ -189,12 +194,18 @@ LR_SCHEDULES: dict[str, dict[str, Any]] = {
 """DeepSpeed's schedules behind ``--lr-schedule``: linear warm-up, then constant, cosine down to 0.1 × the peak, or
 linear down to 0 at ``--max-steps`` (``total_num_steps``)."""
 DECAYING = ("WarmupDecayLR", "WarmupCosineLR")
+FINETUNE_LR = 3e-5
+"""What ``"lr": "auto"`` trains a real checkpoint at (a random-init model preset brings its own pretraining lr)."""
+PEAK = "warmup_max_lr"
+"""The schedule's peak: DeepSpeed's WarmupLR and WarmupDecayLR write it over the optimizer's lr."""
 
 
-def replace_schedule(cfg: dict[str, Any], name: str) -> None:
-    """Swap the config's scheduler for ``LR_SCHEDULES[name]``, keeping its warm-up length."""
+def replace_schedule(cfg: dict[str, Any], name: str, lr: Any = "auto") -> None:
+    """Swap the config's scheduler for ``LR_SCHEDULES[name]``, keeping its warm-up length; its peak is ``lr``."""
     old = (cfg.get("scheduler") or {}).get("params", {})
     params = {**LR_SCHEDULES[name]["params"], "warmup_num_steps": old.get("warmup_num_steps", "auto")}
+    if PEAK in params:
+        params[PEAK] = lr
     cfg["scheduler"] = {"type": LR_SCHEDULES[name]["type"], "params": {**params, "warmup_type": "linear"}}
 
 
@@ -502,21 +513,65 @@ def _divide(total: int, by: int, key: str, dp_size: int, other: int) -> int:
     return total // by
 
 
-def fill_auto(cfg: dict[str, Any], hints: TrainingHints) -> list[str]:
-    """Replace every "auto" (and apply --lr / --warmup-steps); return keys still "auto" that we cannot fill."""
-    opt = cfg.get("optimizer", {}).get("params", {})
-    if hints.lr is not None:
-        opt["lr"] = hints.lr
+def _where(key: str, path: str, overrides: list[str]) -> str:
+    """Who set ``key``: the last ``--ds`` override of it (or of a section above it), else the file."""
+    for item in reversed(overrides):
+        name = item.partition("=")[0]
+        if key == name or key.startswith(f"{name}."):
+            return f"--ds {name}"
+    return f"{path} {key}"
+
+
+def resolve_lr(cfg: dict[str, Any], hints: TrainingHints, path: str, overrides: list[str]) -> tuple[str, list[str]]:
+    """Make the optimizer's lr and the schedule's peak one number; return where it came from and any conflict.
+
+    ``--lr`` sets both. Otherwise a number the user wrote wins: the lr, else the peak; ``"auto"`` in both (the
+    shipped presets) means the model preset's default (``hints.default_lr``, else :data:`FINETUNE_LR`). A peak that
+    disagrees with a written lr is a problem: DeepSpeed would silently train at the peak."""
+    opt = cfg.get("optimizer")
+    if not isinstance(opt, dict):
+        return "no optimizer section", []
+    params = opt.setdefault("params", {})
     sched = cfg.get("scheduler", {}).get("params", {})
-    lr = opt.get("lr")
+    if hints.lr is not None:
+        params["lr"] = hints.lr
+        if PEAK in sched:
+            sched[PEAK] = hints.lr
+        return "--lr", []
+    lr, peak = params.setdefault("lr", "auto"), sched.get(PEAK)
+    problems = []
+    if peak is not None and peak != "auto" and not (_is_number(peak) and peak > 0):
+        problems.append(f"'scheduler.params.{PEAK}' must be a positive number or \"auto\", got {peak!r}")
+    if lr != "auto":
+        source = _where("optimizer.params.lr", path, overrides)
+    elif _is_number(peak) and peak > 0:
+        params["lr"], source = peak, _where(f"scheduler.params.{PEAK}", path, overrides)
+    else:
+        params["lr"] = hints.default_lr or FINETUNE_LR
+        source = f'{hints.default_lr_source} (optimizer.params.lr "auto" in {path})'
+    if peak == "auto":
+        sched[PEAK] = params["lr"]
+    elif lr != "auto" and _is_number(lr) and _is_number(peak) and peak > 0 and not math.isclose(lr, peak):
+        by_cli = [
+            " (--ds)" if _where(k, path, overrides).startswith("--ds") else ""
+            for k in ("optimizer.params.lr", f"scheduler.params.{PEAK}")
+        ]
+        problems.append(
+            f"'optimizer.params.lr' {lr:g}{by_cli[0]} and 'scheduler.params.{PEAK}' {peak:g}{by_cli[1]} disagree"
+            " (the schedule's peak would win)"
+        )
+    return source, problems
+
+
+def fill_auto(cfg: dict[str, Any], hints: TrainingHints) -> list[str]:
+    """Replace every "auto" left after :func:`resolve_lr` (and apply --warmup-steps); return keys still "auto" that
+    we cannot fill."""
+    sched = cfg.get("scheduler", {}).get("params", {})
     values = {
         "gradient_clipping": 1.0,
-        "warmup_max_lr": lr,
         "warmup_num_steps": hints.warmup_steps,
         "total_num_steps": hints.max_steps,
     }
-    if hints.lr is not None and "warmup_max_lr" in sched:
-        sched["warmup_max_lr"] = hints.lr
     if hints.warmup_steps is not None and "warmup_num_steps" in sched:
         sched["warmup_num_steps"] = hints.warmup_steps
     if "total_num_steps" in sched:
@@ -555,6 +610,8 @@ class ResolvedConfig:
     batch: BatchMath
     precision_choice: precision_mod.Precision
     """The training precision decided against the device (the ds config's fp16/bf16 sections follow it)."""
+    lr_source: str = ""
+    """Where the optimizer's lr (and the schedule's peak) came from (:func:`resolve_lr`)."""
 
     @property
     def precision(self) -> str:
@@ -604,8 +661,12 @@ def resolve(
     except (TypeError, ValueError) as err:
         problems.append(f'batch keys must be integers or "auto" ({err})')
         batch = BatchMath(1, 1, dp_size)
+    lr_source, lr_problems = resolve_lr(cfg, hints, str(path), list(overrides))
+    if lr_problems:
+        problems += lr_problems
+        fixes.append(f'set "scheduler.params.{PEAK}": "auto" (it follows the lr) or a positive number equal to the lr')
     if hints.lr_schedule is not None:
-        replace_schedule(cfg, hints.lr_schedule)
+        replace_schedule(cfg, hints.lr_schedule, cfg.get("optimizer", {}).get("params", {}).get("lr", "auto"))
     unresolved = fill_auto(cfg, hints)
     problems += [f"'{k}' is \"auto\" but nothing can fill it" for k in unresolved]
     if unresolved:
@@ -619,4 +680,4 @@ def resolve(
     requested = precision_mod.requested_precision(cfg)
     choice = precision_mod.decide(requested, str(path), precision, kernels or precision_mod.probe())
     precision_mod.apply(cfg, choice.dtype)
-    return ResolvedConfig(str(path), cfg, batch, choice)
+    return ResolvedConfig(str(path), cfg, batch, choice, lr_source)

@@ -92,11 +92,14 @@ def plan_run(args: TrainArgs, world: int) -> RunPlan:
     source = modeling.resolve_model(args.model)
     config = modeling.load_config(source, args.trust_remote_code)
     preset = PRESETS.get(args.model)
-    from_scratch = preset is not None and preset.hub_id is None and args.lr is None
-    hints = dsconfig.TrainingHints(
+    from_scratch = preset is not None and preset.hub_id is None and preset.pretrain_lr is not None
+    scratch_warmup = from_scratch and args.lr is None and args.warmup_steps is None
+    hints = dsconfig.TrainingHints(  # the preset's lr is what "lr": "auto" means; a number in the JSON wins
         max_steps=args.max_steps,
-        lr=preset.pretrain_lr if from_scratch else args.lr,
-        warmup_steps=preset.pretrain_warmup_steps if from_scratch and args.warmup_steps is None else args.warmup_steps,
+        lr=args.lr,
+        default_lr=preset.pretrain_lr if from_scratch else None,
+        default_lr_source=f"model preset {args.model}, random init" if from_scratch else "the fine-tuning default",
+        warmup_steps=preset.pretrain_warmup_steps if scratch_warmup else args.warmup_steps,
         micro_batch=args.micro_batch,
         grad_accum=args.grad_accum,
         hidden_size=config.hidden_size,
@@ -116,11 +119,7 @@ def plan_run(args: TrainArgs, world: int) -> RunPlan:
         warn(f"{cfg.precision_choice.describe()}. Fix: pass --precision to choose another")
     if not source.random_init and (risk := fp16_risk(config, cfg.precision_choice, args.model)):
         warn(risk)
-    lr_source = (
-        f"model preset {args.model} (random init, from scratch)"
-        if from_scratch
-        else ("--lr" if args.lr is not None else args.deepspeed_config)
-    )
+    lr_source = cfg.lr_source
     seq_len = int(meta["seq_len"])
     if seq_len > config.max_position_embeddings:
         raise UserError(
@@ -249,6 +248,7 @@ def setup(args: TrainArgs) -> Run:
     run_config = {
         "args": vars(args),
         "deepspeed": plan.cfg.ds,
+        "lr_source": plan.lr_source,
         "precision": plan.cfg.precision_choice.to_json(),
         "moe_balance": plan.balance.to_json(),
         "env": redact(report.launch_env()),

@@ -6,7 +6,7 @@ import json
 from pathlib import Path
 
 import pytest
-from conftest import NATIVE_16BIT
+from conftest import NATIVE_16BIT, launch, records
 
 from deepzero.dsconfig import BatchMath, TrainingHints, resolve
 from deepzero.errors import UserError
@@ -50,7 +50,7 @@ def test_seed_preset_keeps_its_knobs() -> None:
     assert cfg["optimizer"] == {
         "type": "AdamW",
         "params": {
-            "lr": 3e-5,
+            "lr": 3e-5,  # "auto": the fine-tuning default
             "betas": [0.9, 0.999],
             "eps": 1e-8,
             "weight_decay": 0.01,
@@ -191,3 +191,82 @@ def test_resolving_inside_a_process_group_checks_the_batch_for_its_world(monkeyp
     inside = resolve("ds_configs/zero2.json", 3, TrainingHints(max_steps=10), kernels=NATIVE_16BIT)
     assert inside.batch == before.batch == BatchMath(4, 2, 3)
     assert inside.ds == before.ds
+
+
+# ------------------------------------------------------------------------------------ the lr that trains
+
+
+def edited(tmp_path: Path, preset: Path, **params: object) -> Path:
+    """A copy of ``preset`` with only ``optimizer.params`` keys changed (what a user does to change the lr)."""
+    cfg = json.loads(preset.read_text())
+    cfg["optimizer"]["params"] |= params
+    return write(tmp_path, cfg, f"my_{preset.name}")
+
+
+def peaks(cfg: dict) -> tuple[float, float | None]:
+    return cfg["optimizer"]["params"]["lr"], cfg["scheduler"]["params"].get("warmup_max_lr")
+
+
+@pytest.mark.parametrize("path", PRESETS, ids=[p.stem for p in PRESETS])
+def test_an_lr_edited_in_a_copy_of_a_preset_is_the_peak(tmp_path: Path, path: Path) -> None:
+    """The schedule's peak follows the optimizer's lr; before, WarmupLR's own 3e-5 overwrote it while run_config.json
+    showed the edit. The random-init preset's default (``default_lr``) does not beat a number the user wrote."""
+    dp = 3 // json.loads(path.read_text()).get("pipeline", {}).get("stages", 1)
+    hints = TrainingHints(max_steps=100, hidden_size=64, default_lr=2e-3, default_lr_source="model preset tiny")
+    mine = edited(tmp_path, path, lr=1e-3)
+    cfg = resolve(mine, dp, hints, kernels=NATIVE_16BIT)
+    assert peaks(cfg.ds) == (1e-3, 1e-3) and cfg.lr_source == f"{mine} optimizer.params.lr"
+    shipped = resolve(path, dp, hints, kernels=NATIVE_16BIT)  # "auto": the model preset's default
+    assert peaks(shipped.ds) == (2e-3, 2e-3) and shipped.lr_source.startswith("model preset tiny")
+    finetune = resolve(path, dp, TrainingHints(max_steps=100, hidden_size=64), kernels=NATIVE_16BIT)
+    assert peaks(finetune.ds) == (3e-5, 3e-5) and "fine-tuning default" in finetune.lr_source
+
+
+def test_a_ds_override_of_the_lr_is_the_peak_and_named_as_its_source() -> None:
+    hints = TrainingHints(max_steps=100, default_lr=2e-3)
+    cfg = resolve("ds_configs/zero2.json", 3, hints, ["optimizer.params.lr=5e-4"], kernels=NATIVE_16BIT)
+    assert peaks(cfg.ds) == (5e-4, 5e-4) and cfg.lr_source == "--ds optimizer.params.lr"
+    cfg = resolve("ds_configs/zero2.json", 3, hints, ["scheduler.params.warmup_max_lr=7e-4"], kernels=NATIVE_16BIT)
+    assert peaks(cfg.ds) == (7e-4, 7e-4) and cfg.lr_source == "--ds scheduler.params.warmup_max_lr"
+
+
+def test_an_explicit_peak_that_disagrees_with_an_explicit_lr_is_one_line(tmp_path: Path) -> None:
+    cfg = seed_preset()
+    cfg["optimizer"]["params"]["lr"] = 1e-3
+    cfg["scheduler"]["params"]["warmup_max_lr"] = 3e-5  # an older copy of the preset
+    path = write(tmp_path, cfg)
+    with pytest.raises(UserError) as err:
+        resolve(path, 3, HINTS)
+    msg = str(err.value)
+    assert msg.startswith(f"{path}: ") and "\n" not in msg
+    assert "'optimizer.params.lr' 0.001" in msg and "'scheduler.params.warmup_max_lr' 3e-05" in msg
+    assert '"scheduler.params.warmup_max_lr": "auto"' in msg
+    cfg["scheduler"]["params"]["warmup_max_lr"] = 1e-3  # agreeing numbers are fine
+    assert peaks(resolve(write(tmp_path, cfg), 3, HINTS, kernels=NATIVE_16BIT).ds) == (1e-3, 1e-3)
+
+
+def test_cli_lr_beats_both_keys_and_a_schedule_switch_keeps_the_edited_lr(tmp_path: Path) -> None:
+    path = edited(tmp_path, Path("ds_configs/zero2.json"), lr=1e-3)
+    cli = resolve(path, 3, TrainingHints(max_steps=100, lr=4e-4), ["scheduler.params.warmup_max_lr=9e-4"])
+    assert peaks(cli.ds) == (4e-4, 4e-4) and cli.lr_source == "--lr"
+    for name in ("constant", "cosine", "linear"):
+        hints = TrainingHints(max_steps=100, warmup_steps=10, lr_schedule=name, default_lr=2e-3)
+        ds = resolve(path, 3, hints, kernels=NATIVE_16BIT).ds
+        assert peaks(ds)[0] == 1e-3 and peaks(ds)[1] in (None, 1e-3), name
+
+
+@pytest.mark.launcher
+def test_train_py_trains_at_the_lr_edited_in_a_copy_of_a_preset(tiny_data: Path, tmp_path: Path) -> None:
+    """tiny-deepseek-v3 is a random-init preset (pretraining lr 2e-3 for "auto"): the copy's 1e-3 must train."""
+    mine = edited(tmp_path, Path("ds_configs/zero2.json"), lr=1e-3)
+    out = tmp_path / "run"
+    args = ["--deepspeed_config", str(mine), "--model", "tiny-deepseek-v3", "--data", str(tiny_data), "--out", str(out)]
+    args += ["--precision", "fp32", "--max-steps", "4", "--warmup-steps", "2", "--micro-batch", "1"]
+    args += ["--grad-accum", "1", "--log-interval", "1", "--eval-interval", "0", "--save-interval", "0", "--no-export"]
+    proc = launch(args, nproc=1)
+    lrs = [r["lr"] for r in records(out)]  # linear warm-up over 2 steps from 0, then the peak
+    assert lrs == pytest.approx([0.0, 5e-4, 1e-3, 1e-3], rel=1e-9)
+    assert f"lr: peak 0.001 from {mine} optimizer.params.lr" in proc.stdout
+    run_config = json.loads((out / "run_config.json").read_text())
+    assert peaks(run_config["deepspeed"]) == (1e-3, 1e-3)
+    assert run_config["lr_source"] == f"{mine} optimizer.params.lr"
