@@ -17,11 +17,17 @@ same modules), and adds:
   the fp16 loss scale, exactly what DeepSpeed applies to the LM loss in ``engine.backward``.
 - **Telemetry**: per-layer expert loads over each log window (``expert_load_imbalance``, ``dead_experts``,
   ``expert_load``) and the balance loss, read only at log points (the only host waits).
+
+Only real tokens count: chat rows end in padding (:func:`real_tokens`), which is routed like any token but left out
+of the loads, the bias update and both losses. The loop hands each training micro-batch through :meth:`Balancer.watch`
+as the engine draws it; the ``k``-th forward of a router in a step is the step's ``k``-th micro-batch (and so is its
+``k``-th recomputation in backward: ZeRO and the layer split run one micro-batch at a time, the pipeline's 1F1B
+runs each stage's forwards and backwards in micro-batch order).
 """
 
 from __future__ import annotations
 
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from typing import Any
 
@@ -29,6 +35,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
+from deepzero.data import IGNORE_INDEX
 from deepzero.errors import UserError
 from deepzero.flops import routed_experts
 
@@ -139,16 +146,49 @@ def router_scores(logits: torch.Tensor, family: str) -> torch.Tensor:
     return logits.float().softmax(dim=-1)
 
 
-def balance_loss(scores: torch.Tensor, topk: torch.Tensor, rows: int, per_sequence: bool) -> torch.Tensor:
+def balance_loss(
+    scores: torch.Tensor, topk: torch.Tensor, rows: int, per_sequence: bool, real: torch.Tensor | None = None
+) -> torch.Tensor:
     """Σ_i f_i·P_i (without α): f_i = E/(K·T)·(tokens routed to i), P_i = mean score of i over the T tokens;
-    per sequence (``rows`` sequences of T tokens each, averaged) or over all tokens. 1 when perfectly balanced."""
+    per sequence (``rows`` sequences, averaged over those with a real token) or over all tokens. ``real`` (one bool
+    per token, None: all) leaves padding out: T counts real tokens only. 1 when perfectly balanced."""
     tokens, experts = scores.shape
     groups = rows if per_sequence else 1
-    idx = topk.reshape(groups, -1)
+    k = topk.shape[1]
+    weight = torch.ones(tokens, device=scores.device) if real is None else real.to(scores.device).float()
+    weight = weight.reshape(groups, -1)  # [groups, T]
+    count = weight.sum(dim=1, keepdim=True)
     f = torch.zeros(groups, experts, device=scores.device, dtype=scores.dtype)
-    f.scatter_add_(1, idx, torch.ones_like(idx, dtype=scores.dtype)).mul_(experts / idx.shape[1])
-    p = scores.reshape(groups, tokens // groups, experts).mean(dim=1)
-    return (f * p).sum(dim=1).mean()
+    f.scatter_add_(1, topk.reshape(groups, -1), weight.repeat_interleave(k, dim=1).to(scores.dtype))
+    f = f * experts / (k * count.clamp(min=1))
+    p = (scores.reshape(groups, -1, experts) * weight.unsqueeze(-1)).sum(dim=1) / count.clamp(min=1)
+    seen = (count.squeeze(1) > 0).to(scores.dtype)  # a sequence of padding only has no loss (no host read)
+    return ((f * p).sum(dim=1) * seen).sum() / seen.sum().clamp(min=1)
+
+
+def padding_id(meta: dict[str, Any]) -> int | None:
+    """The id chat rows are padded with (``data/prepare.py``: the tokenizer's pad, else its eos); None for text
+    rows, which are never padded."""
+    if meta.get("format") != "chat":
+        return None
+    pad = meta.get("pad_token_id")
+    return meta.get("eos_token_id") if pad is None else pad
+
+
+def real_tokens(batch: dict[str, torch.Tensor], pad_id: int | None) -> torch.Tensor | None:
+    """``[rows, seq]`` bools, False on padding (None: every position is real). A chat row is whole conversations
+    then padding up to its length, so padding is the row's final run of ``pad_id``, less any position that is a
+    training target (an eos closing the last answer, when the pad id is eos). Prompt tokens are real. On the device,
+    no host read."""
+    if pad_id is None:
+        return None
+    ids = batch["input_ids"]
+    tail = (ids == pad_id).flip(-1).cumprod(dim=-1).flip(-1).bool()  # from the last non-pad token to the end
+    target = torch.zeros_like(tail)
+    labels = batch.get("labels")
+    if labels is not None:  # input t is row[t]; labels[t - 1] is row[t] unless not a target
+        target[:, 1:] = labels[:, :-1] != IGNORE_INDEX
+    return ~(tail & ~target)
 
 
 def find_routers(model: nn.Module) -> list[nn.Module]:
@@ -195,6 +235,9 @@ class Balancer:
         """window_counts already holds the whole world's loads (summed each step for the bias)."""
         self.loss_sum = torch.zeros(n, dtype=torch.float32, device=self.device)
         self.loss_calls = torch.zeros(n, dtype=torch.int64, device=self.device)
+        self.step_tokens: list[torch.Tensor | None] = []
+        """The real-token masks of this step's micro-batches, in the order the engine drew them (:meth:`watch`)."""
+        self._calls = [[0, 0] for _ in range(n)]  # per router: forwards, recomputations in backward this step
         self._handles = []
         for index, router in enumerate(self.routers):
             if choice.uses_bias:
@@ -208,13 +251,16 @@ class Balancer:
             if not (module.training or torch.is_grad_enabled()):  # evaluation, export checks
                 return None
             logits, weights, topk = output
+            real = self._real(index, topk.shape[0])
             if not in_backward():  # a recomputation (activation checkpointing) is not new tokens
                 idx = topk.reshape(-1).to(self.device, non_blocking=True)
-                self.step_counts[index].index_add_(0, idx, torch.ones_like(idx))
+                ones = torch.ones_like(idx) if real is None else real.to(self.device).repeat_interleave(topk.shape[1])
+                self.step_counts[index].index_add_(0, idx, ones.to(idx.dtype))
             if not choice.uses_aux:
                 return None
             rows = args[0].shape[0] if args[0].dim() == 3 else 1
-            aux = choice.aux_alpha * balance_loss(router_scores(logits, choice.family), topk, rows, choice.seq_aux)
+            scores = router_scores(logits, choice.family)
+            aux = choice.aux_alpha * balance_loss(scores, topk, rows, choice.seq_aux, real)
             if not in_backward():
                 self.loss_sum[index] += aux.detach().to(self.device, non_blocking=True)
                 self.loss_calls[index] += 1
@@ -224,9 +270,39 @@ class Balancer:
 
         return hook
 
+    def watch(
+        self, batches: Iterator[dict[str, torch.Tensor]], pad_id: int | None
+    ) -> Iterator[dict[str, torch.Tensor]]:
+        """The training micro-batches, unchanged; each one's :func:`real_tokens` is noted as the engine draws it."""
+        try:
+            for batch in batches:
+                self.step_tokens.append(real_tokens(batch, pad_id))
+                yield batch
+        finally:
+            close = getattr(batches, "close", None)
+            if close is not None:
+                close()  # closing the loop's iterator stops the data loader's worker
+
+    def _real(self, index: int, tokens: int) -> torch.Tensor | None:
+        """The real-token mask of this router call: the step's ``k``-th micro-batch for its ``k``-th forward (or
+        ``k``-th recomputation); None (all real) when no micro-batch was noted for it."""
+        calls = self._calls[index]
+        which = int(in_backward())
+        k = calls[which]
+        calls[which] += 1
+        if k >= len(self.step_tokens) or self.step_tokens[k] is None:
+            return None
+        real = self.step_tokens[k].reshape(-1)
+        if real.numel() != tokens:
+            raise RuntimeError(f"router {index}: call {k} routes {tokens} tokens, micro-batch {k} has {real.numel()}")
+        return real
+
     def after_step(self) -> None:
         """After each optimizer step, on every rank: the step's loads into the window; with the bias, summed over
         the world once and every router's bias moved toward balance (no host wait)."""
+        self.step_tokens.clear()
+        for calls in self._calls:
+            calls[:] = [0, 0]
         if not self.routers:
             return
         if self.choice.uses_bias:

@@ -25,6 +25,7 @@ from deepzero.distributed import all_reduce_max, all_reduce_mean, exit_process
 from deepzero.engines.base import Batch, to_device
 from deepzero.errors import UserError
 from deepzero.metrics import peak_memory_gb
+from deepzero.moe_balance import padding_id
 from deepzero.preemption import StopRequest
 from deepzero.run import Run, setup
 
@@ -70,7 +71,10 @@ def micro_batches(run: Run) -> Iterator[Batch]:
     trace = os.environ.get(ROW_TRACE_ENV)
     rows = traced_rows(sampler, Path(trace), start, b.accum, engine.dp_rank) if trace else sampler
     loader = make_train_loader(run.train_data, rows, num_workers=1, pin_memory=engine.device.type == "cuda")
-    yield from to_device(iter(loader), engine.device)  # closing this generator (fit) stops the loader's worker
+    batches = to_device(iter(loader), engine.device)
+    if run.balancer is not None:  # it counts and balances only the real tokens (chat rows end in padding)
+        batches = run.balancer.watch(batches, padding_id(run.train_data.meta))
+    yield from batches  # closing this generator (fit) stops the loader's worker
 
 
 def traced_rows(batches: Iterable[list[int]], folder: Path, start: int, accum: int, rank: int) -> Iterator[list[int]]:

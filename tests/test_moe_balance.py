@@ -154,6 +154,96 @@ def test_eval_forwards_and_recomputation_are_not_counted() -> None:
     assert int(balancer.loss_calls.sum()) == 4
 
 
+PAD = VOCAB - 1
+"""The pad id of the padded batches (real tokens are drawn below it)."""
+
+
+def padded(seed: int, pad: int = 16, rows: int = 2, seq: int = 16) -> tuple[dict, dict]:
+    """The same real rows twice, in PackedDataset's format (targets already shifted, -100 where none): as they are,
+    and each followed by ``pad`` positions of padding (pad id, no target), as data/prepare.py ends a chat row."""
+    ids = torch.randint(0, PAD, (rows, seq), generator=torch.Generator().manual_seed(seed))
+    targets = torch.cat([ids[:, 1:], torch.full((rows, 1), -100)], dim=1)
+    tail = torch.full((rows, pad), PAD)
+    padded_targets = torch.cat([targets, torch.full_like(tail, -100)], dim=1)
+    return (
+        {"input_ids": ids, "labels": targets, "shift_labels": targets},
+        {"input_ids": torch.cat([ids, tail], dim=1), "labels": padded_targets, "shift_labels": padded_targets},
+    )
+
+
+def balanced_step(family: str, choice: BalanceChoice, micro: list[dict]) -> tuple[Balancer, dict, torch.Tensor]:
+    """One optimizer step's forwards and backwards on a fresh tiny model, the micro-batches drawn through
+    ``Balancer.watch`` as train.py draws them; the step's loads, the world's loads after the bias update, the
+    balance-loss sum and the gradients."""
+    model = tiny(family)
+    balancer = Balancer(model, choice, lambda: 0.5, "cpu")
+    for b in balancer.watch(iter(micro), PAD):
+        (model(**b).loss / len(micro)).backward()
+    counts = balancer.step_counts.clone()
+    balancer.after_step()
+    grads = {n: p.grad.clone() for n, p in model.named_parameters() if p.grad is not None}
+    return balancer, grads, counts
+
+
+@pytest.mark.parametrize(
+    ("family", "choice"),
+    [
+        ("v3", BalanceChoice("both", "deepseek_v3", bias_rate=0.01, aux_alpha=0.05, seq_aux=True)),
+        ("v2", BalanceChoice("aux", "deepseek_v2", aux_alpha=0.05, seq_aux=True)),
+        ("v2", BalanceChoice("aux", "deepseek_v2", aux_alpha=0.05, seq_aux=False)),
+    ],
+    ids=["v3-bias-sequence-wise", "v2-sequence", "v2-batch"],
+)
+def test_padding_is_neither_counted_nor_balanced(family: str, choice: BalanceChoice) -> None:
+    """Half of every position padding (two micro-batches): the loads, the bias update, the balance loss and every
+    gradient (the injected loss's included) equal those of the same real tokens without padding."""
+    pairs = [padded(seed) for seed in (1, 2)]
+    plain, plain_grads, plain_counts = balanced_step(family, choice, [p for p, _ in pairs])
+    pad, pad_grads, pad_counts = balanced_step(family, choice, [q for _, q in pairs])
+    assert int(plain_counts.sum()) == 2 * 2 * 2 * 16 * 2  # micro × layers × rows × real tokens × top-k
+    assert torch.equal(pad_counts, plain_counts)
+    assert torch.equal(pad.window_counts, plain.window_counts)
+    if choice.uses_bias:
+        assert plain.biases().abs().sum() > 0 and torch.equal(pad.biases(), plain.biases())
+    assert plain.loss_sum.sum() > 0
+    assert torch.allclose(pad.loss_sum, plain.loss_sum, rtol=1e-5, atol=0)
+    assert pad.window_stats()["balance_loss"] == pytest.approx(plain.window_stats()["balance_loss"], rel=1e-5)
+    for name, grad in plain_grads.items():
+        assert torch.allclose(pad_grads[name], grad, rtol=1e-4, atol=1e-7), name
+
+
+def test_padding_counted_would_show() -> None:
+    """The check above can fail: drawn without ``watch`` (every position counted), the padded batch's loads,
+    bias and balance loss differ from the unpadded batch's."""
+    choice = BalanceChoice("both", "deepseek_v3", bias_rate=0.01, aux_alpha=0.05)
+    plain, _, plain_counts = balanced_step("v3", choice, [padded(1)[0]])
+    model = tiny("v3")
+    unwatched = Balancer(model, choice, lambda: 1.0, "cpu")
+    model(**padded(1)[1]).loss.backward()
+    assert int(unwatched.step_counts.sum()) == 2 * int(plain_counts.sum())
+    assert not torch.allclose(unwatched.loss_sum, plain.loss_sum, rtol=1e-3)
+    unwatched.after_step()
+    assert not torch.equal(unwatched.biases(), plain.biases())
+
+
+def test_real_tokens_keep_prompts_and_a_closing_eos_that_is_also_the_pad() -> None:
+    """A chat row: prompt (no target), answer and its closing eos (targets), padding. With the pad id a separate
+    token only the final run of it is padding; with pad = eos the answer's closing eos (a target) stays real, and
+    an eos inside the row (a prompt's) is real; text rows have no padding."""
+    eos, pad = 5, 7
+    row = [1, 9, 5, 9, 9, 8, 8, 5, eos, eos, eos]  # row[t]: prompt 0-4 (5 = a prompt's eos), answer 5-7 + eos
+    target = [0, 0, 0, 0, 0, 1, 1, 1, 0, 0, 0]
+    for pad_id, tail in ((eos, row), (pad, row[:8] + [pad] * 3)):
+        ids = torch.tensor([tail])
+        labels = torch.tensor([[tok if hit else -100 for tok, hit in zip(tail[1:], target[1:], strict=True)]])
+        real = moe_balance.real_tokens({"input_ids": ids[:, :-1], "labels": labels}, pad_id)
+        assert real.tolist() == [[True] * 8 + [False] * 2], pad_id
+    text = {"input_ids": torch.tensor([[1, 2, eos, eos]]), "labels": torch.tensor([[2, eos, eos, 3]])}
+    assert moe_balance.real_tokens(text, moe_balance.padding_id({"format": "text", "eos_token_id": eos})) is None
+    assert moe_balance.padding_id({"format": "chat", "pad_token_id": None, "eos_token_id": eos}) == eos
+    assert moe_balance.padding_id({"format": "chat", "pad_token_id": pad, "eos_token_id": eos}) == pad
+
+
 SYNCS = ("item", "tolist", "cpu", "__bool__", "__float__", "__int__", "numpy")
 """Tensor methods that make the host wait for the device."""
 
@@ -174,16 +264,17 @@ def count_syncs(monkeypatch: pytest.MonkeyPatch, calls: list[str]) -> None:
 def test_a_training_step_with_balancing_waits_for_the_device_no_more_than_without(
     monkeypatch: pytest.MonkeyPatch,
 ) -> None:
-    """Forward + backward of two micro-batches and the bias update: the Balancer's hooks, losses and update add no
-    host read of a tensor (counted over every Tensor method that waits); only ``window_stats`` reads them."""
+    """Forward + backward of two padded micro-batches and the bias update: the Balancer's real-token masks, hooks,
+    losses and update add no host read of a tensor (counted over every Tensor method that waits); only ``window_stats`` reads them."""
     plain, balanced = tiny("v3"), tiny("v3")
     balancer = Balancer(balanced, BalanceChoice("both", "deepseek_v3", 0.001, 0.0001), lambda: 0.5, "cpu")
     counts: dict[str, list[str]] = {"plain": [], "balanced": []}
     for name, model in (("plain", plain), ("balanced", balanced)):
         with monkeypatch.context() as patch:
             count_syncs(patch, counts[name])
-            for micro in range(2):
-                (model(**batch(micro)).loss / 2).backward()
+            micro = iter([padded(seed)[1] for seed in range(2)])  # half padding: the real-token masks too
+            for b in balancer.watch(micro, PAD) if model is balanced else micro:
+                (model(**b).loss / 2).backward()
             if model is balanced:
                 balancer.after_step()
     assert counts["balanced"] == counts["plain"]
