@@ -15,15 +15,21 @@ import sys
 from collections.abc import Sequence
 from dataclasses import dataclass, field, replace
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 from transformers import AutoModelForCausalLM, PretrainedConfig
 
 from deepzero.errors import UserError
 from deepzero.flops import routed_experts
+
+if TYPE_CHECKING:
+    from deepzero.dsconfig import ResolvedConfig
+    from deepzero.engines import EngineSettings
+    from deepzero.lora import LoraSpec
 from deepzero.modeling import planning_config
 from deepzero.precision import requested_precision
+from deepzero.presets import PRESETS
 
 GiB = 2**30
 ADAM_K = 12
@@ -88,7 +94,13 @@ class ModelStats:
     largest_module: int
     """Most parameters directly owned by one module: what ZeRO-3 gathers at once (DeepSpeed's 'largest layer')."""
     lora_shapes: tuple[tuple[int, int], ...]
-    """(in, out) of every Linear a LoRA adapter would wrap (all linears in the decoder layers)."""
+    """(in, out) of every Linear a LoRA adapter wraps: all linears in the decoder layers, or those a ``LoraSpec``
+    selects (a fused routed-expert parameter [E, a, b] counts as (E·a, E·b): peft's rank is per expert)."""
+    stage_numels: tuple[int, ...] = ()
+    """Parameters of [embedding, decoder layer 0 .. L-1, final norm + lm_head]: the pipeline's and the layer
+    split's units (an lm_head tied to the embedding is counted in the embedding)."""
+    moe_mask: tuple[bool, ...] = ()
+    """Per decoder layer: whether its MLP is a mixture of experts."""
 
     def lora_numels(self, rank: int) -> tuple[int, ...]:
         """Numel of the LoRA A and B matrices, in model order."""
@@ -124,8 +136,9 @@ def _arch(config: PretrainedConfig, model: torch.nn.Module) -> Arch:
     )
 
 
-def model_stats(config: PretrainedConfig, name: str = "model") -> ModelStats:
-    """Count parameters by building the model on the meta device (no memory, no weights)."""
+def model_stats(config: PretrainedConfig, name: str = "model", lora: LoraSpec | None = None) -> ModelStats:
+    """Count parameters by building the model on the meta device (no memory, no weights). ``lora``: count the
+    adapters that spec wraps (``deepzero.lora``'s own target resolution); None: every decoder linear."""
     with torch.device("meta"):
         model = AutoModelForCausalLM.from_config(config)
     params = list(model.parameters())  # deduplicates tied weights, like DeepSpeed sees them
@@ -135,12 +148,35 @@ def model_stats(config: PretrainedConfig, name: str = "model") -> ModelStats:
     active = sum(numels) - routed + (routed * arch.experts_per_token // arch.experts if arch.experts else 0)
     embeds = {id(m.weight): m.weight.numel() for m in (model.get_input_embeddings(), model.get_output_embeddings())}
     largest = max(sum(p.numel() for p in m.parameters(recurse=False)) for m in model.modules())
-    lora = tuple(
-        (m.in_features, m.out_features)
-        for n, m in model.model.layers.named_modules()
-        if isinstance(m, torch.nn.Linear) and n.rsplit(".", 1)[-1] != "gate"
+    layers = [sum(p.numel() for p in layer.parameters()) for layer in model.model.layers]
+    embed = model.get_input_embeddings().weight.numel()
+    stages = (embed, *layers, sum(numels) - embed - sum(layers))
+    moe_mask = tuple(hasattr(layer.mlp, "experts") for layer in model.model.layers)
+    shapes = _lora_shapes(model, lora)
+    return ModelStats(
+        name, arch, numels, sum(numels), sum(embeds.values()), routed, active, largest, shapes, stages, moe_mask
     )
-    return ModelStats(name, arch, numels, sum(numels), sum(embeds.values()), routed, active, largest, lora)
+
+
+def _lora_shapes(model: torch.nn.Module, spec: LoraSpec | None) -> tuple[tuple[int, int], ...]:
+    """(in, out) of what LoRA wraps: every decoder linear but the router (``spec`` None), or what ``spec`` selects."""
+    if spec is None:
+        return tuple(
+            (m.in_features, m.out_features)
+            for n, m in model.model.layers.named_modules()
+            if isinstance(m, torch.nn.Linear) and n.rsplit(".", 1)[-1] != "gate"
+        )
+    from deepzero.lora import expert_param_names, resolve_targets
+
+    targets = resolve_targets(model, spec)
+    modules = dict(model.named_modules())
+    shapes = [(modules[n].in_features, modules[n].out_features) for n in targets.wrapped_modules(model)]
+    params = dict(model.named_parameters())
+    for name in expert_param_names(model):
+        if any(name.endswith(t) for t in targets.parameters):
+            experts, a, b = params[name].shape  # peft ParamWrapper: A (in, r·E), B (r·E, out)
+            shapes.append((experts * a, experts * b))
+    return tuple(shapes)
 
 
 # ----------------------------------------------------------------------------------------------- the run
@@ -162,8 +198,40 @@ class ZeroKnobs:
 
 
 @dataclass(frozen=True)
+class PipelineLayout:
+    """DeepSpeed's PipelineModule (``engines.pipeline``): [embedding, decoder × L, head] cut into ``stages``; each
+    stage's ranks hold only its layers, with ZeRO-1 / BF16_Optimizer partitioning over the data-parallel replicas."""
+
+    stages: int
+    partition: str = "parameters"
+    """As ``PipelineSettings.partition``: ``parameters``, ``uniform`` or ``type:DecoderStage``."""
+    checkpoint_interval: int = 0
+    """``activation_checkpoint_interval``: recompute every N decoder layers in backward (0: off)."""
+    fp32_grad_accum: bool = True
+    """``data_types.grad_accum_dtype`` fp32: BF16_Optimizer keeps a whole fp32 gradient buffer of the stage."""
+
+
+@dataclass(frozen=True)
+class LayerSplitLayout:
+    """One process, the layers over cards (``engines.layer_split``): card k holds layers ``cuts[k]:cuts[k+1]``, the
+    embedding (k = 0) or the final norm and lm_head (the last card), their gradients and fp32 AdamW state."""
+
+    cuts: tuple[int, ...]
+    """N+1 cut points over the decoder layers, as ``placement.plan_placement`` chose them."""
+
+    @property
+    def cards(self) -> int:
+        return len(self.cuts) - 1
+
+
+Layout = PipelineLayout | LayerSplitLayout | None
+"""How the run uses the cards; None = ZeRO data parallel over ``world_size`` ranks."""
+
+
+@dataclass(frozen=True)
 class Setup:
-    """One training configuration to size: ZeRO stage, offload, precision, batch shape, LoRA."""
+    """One training configuration to size: engine layout, ZeRO stage, offload, precision, batch shape, LoRA, and
+    how the weights load. Built once from the run's decisions (``run_setup``) or by the planner's table."""
 
     stage: int
     world_size: int
@@ -174,10 +242,15 @@ class Setup:
     precision: str = "bf16"
     checkpointing: bool = False
     lora_rank: int = 0
-    """0 = full fine-tuning; otherwise the LoRA rank (all decoder linears adapted, base weights frozen)."""
+    """0 = full fine-tuning; otherwise the LoRA rank (``ModelStats.lora_shapes`` adapted, base weights frozen)."""
     attention: str = "sdpa"
     """sdpa (flash/memory-efficient kernels, no s² term) or eager (stores the s×s attention probabilities)."""
     zero: ZeroKnobs = field(default_factory=ZeroKnobs)
+    layout: Layout = None
+    pretrained: bool = False
+    """Weights load with from_pretrained in the training dtype; False: a random-init model built in fp32."""
+    accum: int = 1
+    """Micro-batches per optimizer step (a pipeline keeps up to ``stages`` of them in flight)."""
 
     def __post_init__(self) -> None:
         if self.stage not in (0, 1, 2, 3):
@@ -186,14 +259,28 @@ class Setup:
             raise UserError("offload_param", "parameter offload needs ZeRO stage 3", "set stage 3 or drop it")
         if self.precision not in ("bf16", "fp16", "fp32"):
             raise UserError("precision", f"unknown precision {self.precision!r}", "use bf16, fp16 or fp32")
+        if isinstance(self.layout, PipelineLayout) and (self.stage > 1 or self.world_size % self.layout.stages):
+            raise UserError("pipeline", "needs ZeRO stage 0 or 1 and stages dividing the world", "see PipelineSettings")
 
     @property
     def bytes_per_value(self) -> int:
         return 4 if self.precision == "fp32" else 2
 
+    @property
+    def dp_size(self) -> int:
+        """Data-parallel replicas: the ZeRO partition count."""
+        if isinstance(self.layout, PipelineLayout):
+            return self.world_size // self.layout.stages
+        return 1 if isinstance(self.layout, LayerSplitLayout) else self.world_size
+
     def label(self) -> str:
+        lora = f" + LoRA r{self.lora_rank}" if self.lora_rank else ""
+        if isinstance(self.layout, PipelineLayout):
+            return f"pipeline {self.layout.stages} stages × data-parallel {self.dp_size} (ZeRO-{self.stage})"
+        if isinstance(self.layout, LayerSplitLayout):
+            return f"layer split over {self.layout.cards} cards"
         off = [w for w, on in (("opt", self.offload_optimizer), ("param", self.offload_params)) if on]
-        return f"ZeRO-{self.stage}" + (f" offload {'+'.join(off)}" if off else "")
+        return f"ZeRO-{self.stage}" + (f" offload {'+'.join(off)}" if off else "") + lora
 
 
 def _int(value: Any, auto: int) -> int:
@@ -212,6 +299,7 @@ def setup_from_ds_config(
     checkpointing: bool = False,
     lora_rank: int = 0,
     micro_batch: int | None = None,
+    pretrained: bool = False,
 ) -> Setup:
     """Read the memory-relevant keys of a DeepSpeed config; "auto" sizes get HF's hidden-size rules."""
     zero = ds.get("zero_optimization", {})
@@ -240,6 +328,7 @@ def setup_from_ds_config(
         checkpointing=checkpointing,
         lora_rank=lora_rank,
         zero=knobs,
+        pretrained=pretrained,
     )
 
 
@@ -287,7 +376,7 @@ def rank_states(trainable: Sequence[int], frozen: Sequence[int], setup: Setup) -
     equal partitions; ZeRO-2's contiguous gradient buffer holds the *whole* gradient of every parameter that
     touches the rank's partition. Stage 3 splits each parameter in N shards of ceil(numel / N).
     """
-    n = setup.world_size if setup.stage > 0 else 1
+    n = setup.dp_size if setup.stage > 0 else 1
     total = sum(trainable)
     frozen_total = sum(frozen)
     if setup.stage == 3:
@@ -350,20 +439,43 @@ def _mlp_per_token(a: Arch, moe: bool) -> int:
     return 2 * a.hidden + router + routed + 8 * a.shared_intermediate
 
 
-def activation_bytes(stats: ModelStats, setup: Setup) -> int:
-    """Saved activations of one micro-batch (Korthikanti et al. 2022, adapted: no dropout, SwiGLU, MLA, MoE)."""
+def layer_activation_bytes(stats: ModelStats, setup: Setup) -> list[int]:
+    """Saved activations of each decoder layer for one micro-batch, in 16-bit (``activation_bytes`` scales fp32)."""
     a, tokens = stats.arch, setup.micro_batch * setup.seq_len
     lora = 2 * setup.lora_rank * len(stats.lora_shapes) // max(a.layers, 1) if setup.lora_rank else 0
     common = 2 * _norm(a.hidden) + _attention_per_token(a, setup) + lora
     dense = common + _mlp_per_token(a, moe=False)
     moe = common + _mlp_per_token(a, moe=True)
     router_weight = 4 * a.experts * a.hidden  # fp32 copy of the router weight, saved per MoE layer
-    per_layer = [dense * tokens] * (a.layers - a.moe_layers) + [moe * tokens + router_weight] * a.moe_layers
-    final = (_norm(a.hidden) + 2 * a.hidden) * tokens  # final norm + lm_head input
+    mask = stats.moe_mask or (False,) * (a.layers - a.moe_layers) + (True,) * a.moe_layers
+    return [moe * tokens + router_weight if is_moe else dense * tokens for is_moe in mask]
+
+
+def activation_bytes(
+    stats: ModelStats,
+    setup: Setup,
+    layers: range | None = None,
+    head: bool = True,
+    in_flight: int = 1,
+    interval: int | None = None,
+) -> int:
+    """Saved activations of one micro-batch (Korthikanti et al. 2022, adapted: no dropout, SwiGLU, MLA, MoE).
+
+    ``layers`` (default all) and ``head`` (final norm + lm_head input) say what this rank or card holds;
+    ``in_flight`` micro-batches keep theirs at once (a pipeline stage); checkpointing every ``interval`` layers
+    (default: 1 when ``setup.checkpointing``) keeps each chunk's input and recomputes one chunk at a time.
+    """
+    a, tokens = stats.arch, setup.micro_batch * setup.seq_len
+    per_layer = layer_activation_bytes(stats, setup)
+    held = [per_layer[i] for i in (layers if layers is not None else range(len(per_layer)))]
+    interval = (1 if setup.checkpointing else 0) if interval is None else interval
+    if interval and held:  # only each chunk's input survives; one chunk is recomputed at a time
+        body = in_flight * -(-len(held) // interval) * 2 * a.hidden * tokens + sum(sorted(held)[-interval:])
+    else:
+        body = in_flight * sum(held)
+    final = (_norm(a.hidden) + 2 * a.hidden) * tokens if head else 0  # final norm + lm_head input
     scale = 2 if setup.precision == "fp32" else 1
-    if setup.checkpointing:  # only each layer's input survives; one layer is recomputed at a time
-        return scale * (a.layers * 2 * a.hidden * tokens + max(per_layer) + final)
-    return scale * (sum(per_layer) + final)
+    return scale * (body + final)
 
 
 def logits_bytes(stats: ModelStats, setup: Setup) -> int:
@@ -398,6 +510,8 @@ class Estimate:
     host_load: int
     """Transient host bytes while the ranks build the model (``host`` counts the larger of the two)."""
     trainable: int
+    where: str = "every rank"
+    """The busiest holder these bytes are for: every rank (ZeRO), a pipeline stage, a card of the layer split."""
 
     @property
     def allocated(self) -> int:
@@ -414,23 +528,83 @@ class Estimate:
         return self.gpu_total <= gpu_mem and (cpu_mem is None or self.host <= cpu_mem)
 
 
-def estimate(stats: ModelStats, setup: Setup) -> Estimate:
-    """Per-card and host memory of one setup (formulas in docs/memory.md)."""
-    p, n = setup.bytes_per_value, setup.world_size
-    if setup.lora_rank:
-        trainable, frozen = stats.lora_numels(setup.lora_rank), stats.param_numels
-    else:
-        trainable, frozen = stats.param_numels, ()
-    ranks = rank_states(trainable, frozen, setup)
-    rs = max(ranks, key=lambda r: r.params + r.grads)
-    k = setup.zero
-    off_opt, off_par = setup.offload_optimizer, setup.offload_params
+@dataclass(frozen=True)
+class Share:
+    """What one rank (or card) of a layout holds: its parameters, its decoder layers, whether it computes the
+    logits, and how many micro-batches keep their activations on it at once."""
 
+    where: str
+    trainable: tuple[int, ...]
+    frozen: tuple[int, ...]
+    layers: range
+    head: bool
+    in_flight: int = 1
+
+
+def pipeline_parts(stats: ModelStats, layout: PipelineLayout) -> list[int]:
+    """Cut points over [embedding, decoder × L, head], computed as DeepSpeed's ``PipelineModule`` does."""
+    from deepspeed.runtime import utils as ds_utils
+
+    units = list(stats.stage_numels)
+    method = layout.partition.lower()
+    if method == "uniform":
+        return ds_utils.partition_uniform(num_items=len(units), num_parts=layout.stages)
+    if method.startswith("type:"):
+        units = [0] + [1] * (len(units) - 2) + [0]  # only DecoderStage layers are counted
+    return ds_utils.partition_balanced(weights=units, num_parts=layout.stages)
+
+
+def shares(stats: ModelStats, setup: Setup) -> list[Share]:
+    """What each rank or card of ``setup.layout`` holds (ZeRO: one share, the same on every rank)."""
+    layout, layers = setup.layout, stats.arch.layers
+    units = stats.stage_numels
+    if isinstance(layout, PipelineLayout):
+        parts, out = pipeline_parts(stats, layout), []
+        for stage in range(layout.stages):
+            lo, hi = parts[stage], parts[stage + 1]
+            held = range(max(lo, 1) - 1, min(hi, layers + 1) - 1)
+            in_flight = min(layout.stages - stage, setup.accum)  # 1F1B: forwards before the first backward
+            out.append(Share(f"pipeline stage {stage}", tuple(units[lo:hi]), (), held, hi == layers + 2, in_flight))
+        return out
+    if isinstance(layout, LayerSplitLayout):
+        cuts, last = layout.cuts, layout.cards - 1
+        return [
+            Share(
+                f"card {k}",
+                (units[0],) * (k == 0) + tuple(units[1 + cuts[k] : 1 + cuts[k + 1]]) + (units[-1],) * (k == last),
+                (),
+                range(cuts[k], cuts[k + 1]),
+                k == last,
+            )
+            for k in range(layout.cards)
+        ]
+    if setup.lora_rank:
+        return [Share("every rank", stats.lora_numels(setup.lora_rank), stats.param_numels, range(layers), True)]
+    return [Share("every rank", stats.param_numels, (), range(layers), True)]
+
+
+def _states(stats: ModelStats, setup: Setup, share: Share) -> tuple[int, int, int, int, int, RankStates]:
+    """(params, grads, optimizer, step, buffers) bytes of one share on its card, and its ZeRO layout."""
+    p, k = setup.bytes_per_value, setup.zero
+    ranks = rank_states(share.trainable, share.frozen, setup)
+    rs = max(ranks, key=lambda r: r.params + r.grads)
+    total = sum(share.trainable)
+    if isinstance(setup.layout, LayerSplitLayout):  # torch AdamW on fp32 masters (the weights themselves in fp32)
+        master = 4 if p == 2 else 0
+        return p * total, p * total, (8 + master) * total, master * total, 0, rs
+    if isinstance(setup.layout, PipelineLayout):
+        n = setup.dp_size
+        grad_bytes = 4 if setup.layout.fp32_grad_accum or p == 4 else p
+        buffers = grad_bytes * min(k.reduce_bucket_size, total) if n > 1 else 0  # the engine's gradient all-reduce
+        if setup.precision == "bf16" and (setup.layout.fp32_grad_accum or setup.stage == 0):
+            # DeepSpeed's BF16_Optimizer: fp32 master + m + v partitioned, gradients one whole buffer of the stage
+            return p * rs.params, grad_bytes * total, ADAM_K * _ceil_to(total, 2 * n) // n, 0, buffers, rs
+        return p * rs.params, grad_bytes * rs.grads, ADAM_K * rs.optimizer, 4 * rs.step_chunk, buffers, rs
+    off_opt, off_par = setup.offload_optimizer, setup.offload_params
     params = p * (rs.persistent if off_par else rs.params)
     grads = 0 if off_opt and setup.stage >= 2 else p * rs.grads
     optimizer = 0 if off_opt else ADAM_K * rs.optimizer
     step = 0 if off_opt else 4 * rs.step_chunk
-
     overlap = k.overlap_comm if k.overlap_comm is not None else setup.stage == 3
     if setup.stage == 3:
         largest = stats.largest_module
@@ -440,35 +614,57 @@ def estimate(stats: ModelStats, setup: Setup) -> Estimate:
         buffers = p * k.reduce_bucket_size * (2 if overlap else 1)
     else:
         buffers = 0
+    return params, grads, optimizer, step, buffers, rs
 
-    activations = activation_bytes(stats, setup)
-    logits = logits_bytes(stats, setup)
-    allocated = params + grads + optimizer + max(activations + logits + buffers, step)
-    other = CUDA_RESERVE + int(FRAGMENTATION * allocated)
 
+def host_bytes(stats: ModelStats, setup: Setup, rs: RankStates) -> tuple[int, int, int]:
+    """(host RAM of the machine, offloaded states, transient load bytes): pretrained weights load in the training
+    dtype, a random-init model is built in fp32; every process builds the whole model except under ZeRO-3."""
+    p, n = setup.bytes_per_value, setup.world_size
+    procs = 1 if isinstance(setup.layout, LayerSplitLayout) else n
     host_states = 0
-    if off_opt:  # fp32 master + m + v, fp32 gradient partition, 16-bit staging buffer, per rank
+    if setup.offload_optimizer:  # fp32 master + m + v, fp32 gradient partition, 16-bit staging buffer, per rank
         host_states += n * (ADAM_K + 4 + p) * rs.optimizer
-    if off_par:
+    if setup.offload_params:
         host_states += n * p * (rs.params - rs.persistent)
-    # Loading: stages 0-2 build the whole fp32 model on every rank; ZeRO-3 partitions module by module.
-    load = n * 4 * (stats.total if setup.stage < 3 else stats.largest_module)
-    host = n * HOST_PER_RANK + max(load, host_states)
-    return Estimate(
-        setup,
-        params,
-        grads,
-        optimizer,
-        activations,
-        logits,
-        buffers,
-        step,
-        other,
-        host,
-        host_states,
-        load,
-        sum(trainable),
-    )
+    load_bytes = p if setup.pretrained else 4
+    zero3 = setup.layout is None and setup.stage == 3  # partitions module by module while loading
+    load = procs * load_bytes * (stats.largest_module if zero3 else stats.total)
+    return procs * HOST_PER_RANK + max(load, host_states), host_states, load
+
+
+def estimate(stats: ModelStats, setup: Setup) -> Estimate:
+    """Per-card memory of the busiest rank or card of one setup, and host memory (formulas in docs/memory.md)."""
+    interval = setup.layout.checkpoint_interval if isinstance(setup.layout, PipelineLayout) else None
+    if isinstance(setup.layout, LayerSplitLayout):
+        interval = 0  # the layer split engine never turns on gradient checkpointing
+    out = []
+    for share in shares(stats, setup):
+        params, grads, optimizer, step, buffers, rs = _states(stats, setup, share)
+        activations = activation_bytes(stats, setup, share.layers, share.head, share.in_flight, interval)
+        logits = logits_bytes(stats, setup) if share.head else 0
+        allocated = params + grads + optimizer + max(activations + logits + buffers, step)
+        other = CUDA_RESERVE + int(FRAGMENTATION * allocated)
+        host, host_states, load = host_bytes(stats, setup, rs)
+        out.append(
+            Estimate(
+                setup,
+                params,
+                grads,
+                optimizer,
+                activations,
+                logits,
+                buffers,
+                step,
+                other,
+                host,
+                host_states,
+                load,
+                sum(share.trainable),
+                share.where,
+            )
+        )
+    return max(out, key=lambda e: e.gpu_total)
 
 
 def max_micro_batch(stats: ModelStats, setup: Setup, gpu_mem: float, cpu_mem: float | None = None) -> int:
@@ -499,6 +695,7 @@ def recommend(
     cpu_mem: float | None,
     lora_rank: int = 0,
     presets: Sequence[str] = PRESET_ORDER,
+    pretrained: bool = True,
 ) -> Recommendation | None:
     """First preset (fastest first) that fits at micro-batch 1, preferring no activation checkpointing."""
     for name in presets:
@@ -512,6 +709,7 @@ def recommend(
                 checkpointing=ckpt,
                 lora_rank=lora_rank,
                 micro_batch=1,
+                pretrained=pretrained,
             )
             mb = max_micro_batch(stats, setup, gpu_mem, cpu_mem)
             if mb:
@@ -535,7 +733,9 @@ TABLE_ROWS: tuple[tuple[int, bool, bool, str], ...] = (
 """(stage, offload optimizer, offload params, preset whose bucket sizes the row uses)."""
 
 
-def table_setups(stats: ModelStats, world_size: int, seq_len: int, micro_batch: int, lora_rank: int) -> list[Setup]:
+def table_setups(
+    stats: ModelStats, world_size: int, seq_len: int, micro_batch: int, lora_rank: int, pretrained: bool = True
+) -> list[Setup]:
     """Every stage × offload × {full, LoRA} × {checkpointing off, on} combination."""
     out = []
     for stage, opt, par, preset in TABLE_ROWS:
@@ -555,6 +755,7 @@ def table_setups(stats: ModelStats, world_size: int, seq_len: int, micro_batch: 
                         checkpointing=ckpt,
                         lora_rank=lora,
                         micro_batch=micro_batch,
+                        pretrained=pretrained,
                     )
                 )
     return out
@@ -581,6 +782,7 @@ def format_table(headers: Sequence[str], rows: Sequence[Sequence[str]], right: S
 def render(stats: ModelStats, world_size: int, gpu_mem_gb: float, cpu_mem_gb: float, seq_len: int, **kw: Any) -> str:
     """The planner's full report: model summary, table, recommendation."""
     micro_batch, lora_rank = kw.get("micro_batch", 1), kw.get("lora_rank", LORA_RANK)
+    pretrained = kw.get("pretrained", True)
     gpu_mem, cpu_mem = gpu_mem_gb * GiB, cpu_mem_gb * GiB
     a = stats.arch
     moe = f", MoE {a.moe_layers}/{a.layers} layers, {a.experts_per_token} of {a.experts} experts" if a.experts else ""
@@ -598,7 +800,7 @@ def render(stats: ModelStats, world_size: int, gpu_mem_gb: float, cpu_mem_gb: fl
     headers = ["ZeRO", "offload", "train", "ckpt", "params", "grads", "optim", "activ", "logits", "buffers"]
     headers += ["GPU", "host", "fits", "max mb"]
     rows = []
-    for setup in table_setups(stats, world_size, seq_len, micro_batch, lora_rank):
+    for setup in table_setups(stats, world_size, seq_len, micro_batch, lora_rank, pretrained):
         e = estimate(stats, setup)
         gpu_ok, host_ok = e.gpu_total <= gpu_mem, e.host <= cpu_mem
         mark = "✓" if gpu_ok and host_ok else "✗ GPU" if not gpu_ok else "✗ host"
@@ -623,10 +825,10 @@ def render(stats: ModelStats, world_size: int, gpu_mem_gb: float, cpu_mem_gb: fl
         "",
         "optim = fp32 master + Adam m, v. GPU = params + grads + optim + max(activ + logits + buffers, fp32 gradient "
         f"copy made by the step) + {_gib(CUDA_RESERVE)} GiB CUDA/NCCL + {FRAGMENTATION:.0%} fragmentation. "
-        "host = whole machine. max mb = largest micro-batch that fits.",
+        f"host = whole machine ({'pretrained weights load in the training dtype' if pretrained else 'random init: built in fp32'}). max mb = largest micro-batch that fits.",
     ]
     for what, rank in (("full fine-tuning", 0), (f"LoRA r{lora_rank}", lora_rank)):
-        rec = recommend(stats, world_size, seq_len, gpu_mem, cpu_mem, lora_rank=rank)
+        rec = recommend(stats, world_size, seq_len, gpu_mem, cpu_mem, lora_rank=rank, pretrained=pretrained)
         lines.append(_recommendation_line(what, rec, gpu_mem_gb))
     return "\n".join(lines)
 
@@ -653,8 +855,6 @@ def _fit_cell(rec: Recommendation | None, full: bool) -> str:
 
 def fit_table(world_size: int, gpu_mem_gb: float, cpu_mem_gb: float, seq_len: int, lora_rank: int = LORA_RANK) -> str:
     """README's "which preset fits" table: one row per preset naming a checkpoint, from ``recommend``."""
-    from deepzero.presets import PRESETS
-
     gpu_mem, cpu_mem = gpu_mem_gb * GiB, cpu_mem_gb * GiB
     rows = ["| model | full fine-tune | LoRA r16 |", "|---|---|---|"]
     for name, preset in PRESETS.items():
@@ -688,21 +888,82 @@ def detected_cpu_mem_gb() -> float | None:
         return None
 
 
+def layer_split_cuts(
+    config: PretrainedConfig, devices: Sequence[Any], seq_len: int, micro_batch: int
+) -> tuple[int, ...]:
+    """The layer cut points the layer split engine will use: ``plan_placement`` called as ``place_model`` calls it
+    (when that placement finds the cards too small, the same split over equal unbounded cards)."""
+    from deepzero.placement import plan_placement
+
+    kw: dict[str, Any] = {"training": True, "seq_len": seq_len, "micro_batch": micro_batch}
+    try:
+        cards = plan_placement(config, devices, **kw).cards
+    except UserError:
+        cards = plan_placement(config, devices, dict.fromkeys(range(len(devices)), 2**60), **kw).cards
+    return (*(row.layers.start for row in cards), cards[-1].layers.stop)
+
+
+def run_setup(
+    config: PretrainedConfig,
+    engine: EngineSettings,
+    cfg: ResolvedConfig,
+    seq_len: int,
+    world_size: int,
+    pretrained: bool,
+) -> Setup:
+    """The Setup a run trains with, from what its RunPlan decided: the engine settings (layout, LoRA, gradient
+    checkpointing), the resolved config's precision and batch, pretrained or random init. ``cfg.ds`` is read only
+    for the ZeRO sizes DeepSpeed is given."""
+    from deepzero.engines import LayerSplitSettings, PipelineSettings, ZeroSettings
+    from deepzero.engines.layer_split import parse_devices
+
+    base = setup_from_ds_config(
+        cfg.ds,
+        world_size=world_size,
+        seq_len=seq_len,
+        hidden_size=config.hidden_size,
+        micro_batch=cfg.batch.micro,
+        pretrained=pretrained,
+    )
+    base = replace(base, precision=cfg.precision, accum=cfg.batch.accum)
+    if isinstance(engine, ZeroSettings):
+        return replace(base, checkpointing=engine.gradient_checkpointing, lora_rank=engine.lora.r if engine.lora else 0)
+    if isinstance(engine, PipelineSettings):
+        accum_dtype = cfg.ds.get("data_types", {}).get("grad_accum_dtype")
+        interval = engine.activation_checkpoint_interval
+        layout = PipelineLayout(engine.stages, engine.partition, interval, fp32_grad_accum=accum_dtype == "fp32")
+        return replace(base, layout=layout, checkpointing=interval > 0)
+    if isinstance(engine, LayerSplitSettings):
+        cuts = layer_split_cuts(config, parse_devices(engine.devices), seq_len, cfg.batch.micro)
+        return Setup(
+            stage=0,
+            world_size=1,
+            micro_batch=cfg.batch.micro,
+            seq_len=seq_len,
+            precision=cfg.precision,
+            layout=LayerSplitLayout(cuts),
+            pretrained=pretrained,
+            accum=cfg.batch.accum,
+        )
+    raise TypeError(f"no memory plan for {type(engine).__name__}")
+
+
 def check_fit(
     model_config: PretrainedConfig,
-    ds_config: dict[str, Any],
-    world_size: int,
-    gpu_mem_gb: float | None,
+    engine: EngineSettings,
+    cfg: ResolvedConfig,
     seq_len: int,
     *,
-    gradient_checkpointing: bool = False,
-    lora_rank: int = 0,
+    world_size: int,
+    pretrained: bool,
+    gpu_mem_gb: float | None = None,
     cpu_mem_gb: float | None = None,
 ) -> str | None:
-    """A one-line warning when ``ds_config`` will not fit the cards (or host RAM), else None.
+    """A one-line warning when the planned run will not fit the cards (or host RAM), else None.
 
-    Call before loading weights. ``gpu_mem_gb`` None = detect the smallest visible card; without CUDA there is
-    nothing to check and the answer is None. ``cpu_mem_gb`` None = detect the machine's RAM.
+    Plans what the engine will hold (``run_setup``). Call before loading weights. ``gpu_mem_gb`` None = detect
+    the smallest visible card; without CUDA there is nothing to check and the answer is None. ``cpu_mem_gb``
+    None = detect the machine's RAM.
     """
     if gpu_mem_gb is None:
         gpu_mem_gb = detected_gpu_mem_gb()
@@ -712,43 +973,59 @@ def check_fit(
         cpu_mem_gb = detected_cpu_mem_gb()
     gpu_mem, cpu_mem = gpu_mem_gb * GiB, cpu_mem_gb * GiB if cpu_mem_gb else None
     try:
-        stats = model_stats(model_config, getattr(model_config, "name_or_path", "") or "model")
+        setup = run_setup(model_config, engine, cfg, seq_len, world_size, pretrained)
+        name = getattr(model_config, "name_or_path", "") or "model"
+        stats = model_stats(model_config, name, lora=getattr(engine, "lora", None))
+    except UserError:
+        return None  # e.g. a layer split over every GPU with none visible: the engine reports it itself
     except (ValueError, KeyError, AttributeError) as err:  # e.g. a remote-code architecture
         return f"memory plan skipped: cannot build {model_config.model_type} on the meta device ({err})"
-    setup = setup_from_ds_config(
-        ds_config,
-        world_size=world_size,
-        seq_len=seq_len,
-        hidden_size=stats.arch.hidden,
-        checkpointing=gradient_checkpointing,
-        lora_rank=lora_rank,
-    )
     est = estimate(stats, setup)
     if est.fits(gpu_mem, cpu_mem):
         return None
-    if est.gpu_total > gpu_mem:
-        need = (
-            f"memory plan: {setup.label()} at micro-batch {setup.micro_batch}, seq {seq_len} needs "
-            f"~{_gib(est.gpu_total)} GiB per GPU (params {_gib(est.params)}, grads {_gib(est.grads)}, optimizer "
-            f"{_gib(est.optimizer)}, activations {_gib(est.activations)}, logits {_gib(est.logits)}, buffers "
-            f"{_gib(est.buffers)}) but the cards have {gpu_mem_gb:.1f} GiB"
+    return f"{_shortfall(est, gpu_mem_gb, cpu_mem_gb)}; {_advice(stats, setup, gpu_mem, cpu_mem)}"
+
+
+def _shortfall(est: Estimate, gpu_mem_gb: float, cpu_mem_gb: float | None) -> str:
+    setup = est.setup
+    if est.gpu_total > gpu_mem_gb * GiB:
+        return (
+            f"memory plan: {setup.label()} at micro-batch {setup.micro_batch}, seq {setup.seq_len} needs "
+            f"~{_gib(est.gpu_total)} GiB per GPU ({est.where}: params {_gib(est.params)}, grads {_gib(est.grads)}, "
+            f"optimizer {_gib(est.optimizer)}, activations {_gib(est.activations)}, logits {_gib(est.logits)}, "
+            f"buffers {_gib(est.buffers)}) but the cards have {gpu_mem_gb:.1f} GiB"
         )
-    else:
-        what = "offloaded states" if est.host_states >= est.host_load else "fp32 model copies while loading"
-        need = (
-            f"memory plan: {setup.label()} needs ~{_gib(est.host)} GiB of host RAM for {world_size} ranks "
-            f"({_gib(max(est.host_states, est.host_load))} of it {what}) but the machine has {cpu_mem_gb:.0f} GiB"
-        )
+    load = "pretrained weights" if setup.pretrained else "fp32 random-init models"
+    what = "offloaded states" if est.host_states >= est.host_load else f"{load} while loading"
+    procs = "1 process" if isinstance(setup.layout, LayerSplitLayout) else f"{setup.world_size} ranks"
+    return (
+        f"memory plan: {setup.label()} needs ~{_gib(est.host)} GiB of host RAM for {procs} "
+        f"({_gib(max(est.host_states, est.host_load))} of it {what}) but the machine has {cpu_mem_gb:.0f} GiB"
+    )
+
+
+def _advice(stats: ModelStats, setup: Setup, gpu_mem: float, cpu_mem: float | None) -> str:
+    """What would fit: a smaller micro-batch, checkpointing in this layout, else the first ZeRO preset that fits."""
     mb = max_micro_batch(stats, setup, gpu_mem, cpu_mem)
     if mb:
-        return f"{need}; micro-batch {mb} fits (raise gradient_accumulation_steps to keep the global batch)."
-    if not gradient_checkpointing and max_micro_batch(stats, replace(setup, checkpointing=True), gpu_mem, cpu_mem):
-        return f"{need}; turn on gradient checkpointing."
-    rec = recommend(stats, world_size, seq_len, gpu_mem, cpu_mem, lora_rank=lora_rank)
+        return f"micro-batch {mb} fits (raise gradient_accumulation_steps to keep the global batch)."
+    layout = setup.layout
+    ckpt, fix = None, ""
+    if isinstance(layout, PipelineLayout) and not layout.checkpoint_interval:
+        ckpt = replace(setup, checkpointing=True, layout=replace(layout, checkpoint_interval=1))
+        fix = "set pipeline.activation_checkpoint_interval to 1."
+    elif layout is None and not setup.checkpointing:
+        ckpt, fix = replace(setup, checkpointing=True), "turn on gradient checkpointing."
+    if ckpt is not None and max_micro_batch(stats, ckpt, gpu_mem, cpu_mem):
+        return fix
+    if isinstance(layout, LayerSplitLayout):
+        return "split over more cards (--device-map-devices), or use a ZeRO preset with LoRA or offload."
+    n = setup.world_size
+    rec = recommend(stats, n, setup.seq_len, gpu_mem, cpu_mem, lora_rank=setup.lora_rank, pretrained=setup.pretrained)
     if rec is None:
-        return f"{need}; no ds_configs preset fits: use LoRA, a smaller model, shorter sequences or more cards."
+        return "no ds_configs preset fits: use LoRA, a smaller model, shorter sequences or more cards."
     ckpt = " with gradient checkpointing" if rec.setup.checkpointing else ""
-    return f"{need}; try ds_configs/{rec.preset}.json{ckpt} at micro-batch {rec.micro_batch} (python -m deepzero.plan)."
+    return f"try ds_configs/{rec.preset}.json{ckpt} at micro-batch {rec.micro_batch} (python -m deepzero.plan)."
 
 
 # ------------------------------------------------------------------------------------------------- CLI
@@ -790,6 +1067,7 @@ def main(argv: Sequence[str] | None = None) -> int:
             args.seq_len,
             micro_batch=args.micro_batch,
             lora_rank=args.lora_rank,
+            pretrained=not (args.model in PRESETS and PRESETS[args.model].hub_id is None),
         )
     )
     return 0

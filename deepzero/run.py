@@ -134,7 +134,7 @@ def plan_run(args: TrainArgs, world: int) -> RunPlan:
     check_disk(args, config, cfg.precision)
     if args.resume:
         checkpoint.check_resumable(args.checkpoint_dir, settings.dp_size(world))
-    if warning := check_fit(config, cfg.ds, world, None, seq_len, gradient_checkpointing=args.gradient_checkpointing):
+    if warning := check_fit(config, settings, cfg, seq_len, world_size=world, pretrained=not source.random_init):
         warn(warning)
     return RunPlan(source, config, cfg, settings, lr_source, seq_len, train_data, val_data, tokenizer, balance)
 

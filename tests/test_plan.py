@@ -12,10 +12,11 @@ from pathlib import Path
 
 import pytest
 import torch
-from conftest import REPO, cpu_env, launch
+from conftest import NATIVE_16BIT, REPO, cpu_env, launch
 
-from deepzero import modeling, plan
+from deepzero import dsconfig, engines, modeling, plan
 from deepzero.errors import UserError
+from deepzero.lora import LoraSpec
 from deepzero.modeling import planning_config
 from deepzero.plan import GiB, Setup, ZeroKnobs, estimate, model_stats, rank_states
 from deepzero.presets import PRESETS, get_preset
@@ -214,19 +215,113 @@ def test_model_resolution(tmp_path: Path, monkeypatch: pytest.MonkeyPatch, tiny:
     assert plan.main(["--model", "someone/unknown-model"]) == 2
 
 
-def test_check_fit() -> None:
-    config = PRESETS["deepseek-coder-1.3b"].config()
-    zero = {"stage": 2, "reduce_bucket_size": 2e8, "overlap_comm": True}
-    ds = {"bf16": {"enabled": True}, "zero_optimization": zero}
-    fits = {**ds, "train_micro_batch_size_per_gpu": 2}
-    assert plan.check_fit(config, fits, 3, 24, 2048, cpu_mem_gb=128) is None
-    too_big = {**ds, "train_micro_batch_size_per_gpu": 8}
-    warning = plan.check_fit(config, too_big, 3, 24, 2048, cpu_mem_gb=128)
-    assert warning and "\n" not in warning and "micro-batch 2 fits" in warning
-    v3 = plan.check_fit(PRESETS["deepseek-v3"].config(), plan.load_preset("zero3_offload"), 3, 24, 2048, cpu_mem_gb=128)
+def _resolved(model: str, preset: str, world: int, **choice: object) -> tuple[object, object, object]:
+    """The decisions plan_run makes for ``--model model --deepspeed_config ds_configs/preset.json`` (engine settings
+    from engines.choose, the config from dsconfig.resolve), on faked 16-bit kernels so presets keep their types."""
+    config = PRESETS[model].config()
+    path = str(REPO / "ds_configs" / f"{preset}.json")
+    spec = LoraSpec.parse(choice["lora"]) if choice.get("lora") else None
+    raw = dsconfig.load_json(path)
+    settings = engines.choose(
+        raw, path, choice.get("device_map"), choice.get("devices"), bool(choice.get("ckpt")), spec
+    )
+    hints = dsconfig.TrainingHints(max_steps=10, hidden_size=config.hidden_size, micro_batch=choice.get("micro"))
+    cfg = dsconfig.resolve(path, settings.dp_size(world), hints, kernels=NATIVE_16BIT)
+    return config, settings, cfg
+
+
+def _fit(model: str, preset: str, world: int, gpu: float, cpu: float, **choice: object) -> tuple[str | None, ...]:
+    """(check_fit's warning, its busiest estimate, the old check's estimate: the preset read as plain ZeRO, full
+    fine-tune, fp32 weights while loading; only --gradient-checkpointing reached it)."""
+    config, settings, cfg = _resolved(model, preset, world, **choice)
+    pretrained = bool(choice.get("pretrained", True))
+    warning = plan.check_fit(
+        config, settings, cfg, 2048, world_size=world, pretrained=pretrained, gpu_mem_gb=gpu, cpu_mem_gb=cpu
+    )
+    setup = plan.run_setup(config, settings, cfg, 2048, world, pretrained)
+    new = estimate(model_stats(config, model, lora=getattr(settings, "lora", None)), setup)
+    old_setup = plan.setup_from_ds_config(
+        cfg.ds,
+        world_size=world,
+        seq_len=2048,
+        hidden_size=config.hidden_size,
+        micro_batch=cfg.batch.micro,
+        checkpointing=bool(choice.get("ckpt")),
+    )
+    old = estimate(model_stats(config, model), old_setup)
+    return warning, new, old
+
+
+def gib(n: float) -> float:
+    return round(n / GiB, 1)
+
+
+def test_check_fit_zero_plans_pretrained_weights_in_the_training_dtype() -> None:
+    """deepseek-coder-1.3b, zero2_bf16 micro 2 on 3 × 24 GiB: the card fits (21.8 GiB); a 20 GiB host holds the
+    3 ranks' bf16 checkpoint loads (16.5 GiB) but not random-init fp32 builds (24.0 GiB, the old plan for both)."""
+    warning, new, old = _fit("deepseek-coder-1.3b", "zero2_bf16", N, 24, 20, micro=2)
+    assert warning is None, warning
+    assert (gib(new.gpu_total), gib(new.host), gib(old.host)) == (21.8, 16.5, 24.0)
+    assert not old.fits(24 * GiB, 20 * GiB)  # the false warning
+    scratch, _, _ = _fit("deepseek-coder-1.3b", "zero2_bf16", N, 24, 20, micro=2, pretrained=False)
+    assert scratch and "host RAM" in scratch and "fp32 random-init" in scratch and "\n" not in scratch
+    too_big, new, _ = _fit("deepseek-coder-1.3b", "zero2_bf16", N, 24, 128, micro=4)
+    assert gib(new.gpu_total) == 33.0
+    assert too_big and too_big.startswith("memory plan: ZeRO-2 at micro-batch 4") and "micro-batch 2 fits" in too_big
+
+
+def test_check_fit_plans_lora_runs_as_lora() -> None:
+    """The issue's case: R1-Distill-Qwen-14B, LoRA r16 on attention, zero2_bf16 + checkpointing, micro 1, 3 ranks.
+    Old plan: a full fine-tune, 116.7 GiB per card and 174.1 GiB (187 GB) of host; engine: frozen bf16 base, 36.6
+    GiB per card, host 91.5 GiB (98 GB). Fits 3 × 80 GiB; on 24 GiB cards the 27.6 GiB of weights do not."""
+    lora = {"lora": "r=16,targets=attn", "ckpt": True, "micro": 1}
+    warning, new, old = _fit("deepseek-r1-distill-qwen-14b", "zero2_bf16", N, 80, 128, **lora)
+    assert warning is None, warning
+    assert (gib(old.gpu_total), gib(old.host)) == (116.7, 174.1)
+    assert (gib(new.gpu_total), gib(new.host), gib(new.params)) == (36.6, 91.5, 27.6)
+    assert new.trainable < 0.01 * model_stats(PRESETS["deepseek-r1-distill-qwen-14b"].config()).total
+    small, _, _ = _fit("deepseek-r1-distill-qwen-14b", "zero2_bf16", N, 24, 128, **lora)
+    assert small and small.startswith("memory plan: ZeRO-2 + LoRA r16 at micro-batch 1") and "zero3" in small
+
+
+def test_check_fit_plans_each_pipeline_stage() -> None:
+    """ds_configs/pipeline.json (3 stages, ZeRO-1 + BF16_Optimizer, micro 2 × 6): each stage holds a third of the
+    layers; stage 0 keeps 3 micro-batches in flight. deepseek-coder-6.7b: 68.2 GiB on stage 0, fits 3 × 80 GiB
+    (the old plan, one ZeRO-1 replica of the whole model: 81.6 GiB), and warns on 24 GiB cards."""
+    warning, new, old = _fit("deepseek-coder-6.7b", "pipeline", N, 80, 128)
+    assert warning is None, warning
+    assert (gib(new.gpu_total), new.where, gib(old.gpu_total)) == (68.2, "pipeline stage 0", 81.6)
+    config, settings, cfg = _resolved("deepseek-coder-6.7b", "pipeline", N)
+    setup = plan.run_setup(config, settings, cfg, 2048, N, True)
+    stats = model_stats(config)
+    held = [plan.shares(stats, setup)[s] for s in range(3)]
+    assert [i for share in held for i in share.layers] == list(range(32))  # every layer on exactly one stage
+    assert sum(sum(share.trainable) for share in held) == stats.total
+    assert [share.in_flight for share in held] == [3, 2, 1] and [share.head for share in held] == [False] * 2 + [True]
+    small, _, _ = _fit("deepseek-coder-6.7b", "pipeline", N, 24, 128)
+    assert small and small.startswith("memory plan: pipeline 3 stages × data-parallel 1") and "stage 0" in small
+
+
+def test_check_fit_plans_each_card_of_the_layer_split() -> None:
+    """--device-map balanced over 3 cards, one process: each card holds its layers' weights, gradients and fp32
+    AdamW state. deepseek-coder-1.3b micro 2: 12.7 GiB on the busiest card (the old plan, the whole model on one
+    ZeRO-2 rank: 34.1 GiB); deepseek-coder-6.7b: 47.1 GiB on card 0, over 24 GiB."""
+    split = {"device_map": "balanced", "devices": "0,1,2"}
+    warning, new, old = _fit("deepseek-coder-1.3b", "zero2_bf16", 1, 24, 128, micro=2, **split)
+    assert warning is None, warning
+    assert (gib(new.gpu_total), gib(old.gpu_total)) == (12.7, 34.1)
+    assert gib(new.host) == 5.5  # one process: 3 GiB + the bf16 checkpoint
+    small, new, _ = _fit("deepseek-coder-6.7b", "zero2_bf16", 1, 24, 128, micro=1, **split)
+    assert gib(new.gpu_total) == 47.1
+    assert small and small.startswith("memory plan: layer split over 3 cards") and "card" in small
+
+
+def test_check_fit_says_nothing_fits_for_deepseek_v3() -> None:
+    config, settings, cfg = _resolved("deepseek-v3", "zero3_offload", N, micro=1)
+    v3 = plan.check_fit(config, settings, cfg, 2048, world_size=N, pretrained=True, gpu_mem_gb=24, cpu_mem_gb=128)
     assert v3 and "no ds_configs preset fits" in v3
-    if plan.detected_gpu_mem_gb() is None:
-        assert plan.check_fit(config, too_big, 3, None, 2048) is None  # no CUDA: nothing to check
+    if plan.detected_gpu_mem_gb() is None:  # no CUDA: nothing to check
+        assert plan.check_fit(config, settings, cfg, 2048, world_size=N, pretrained=True) is None
 
 
 def test_max_micro_batch_is_the_largest_that_fits(coder: plan.ModelStats) -> None:
