@@ -4,6 +4,7 @@ Face export reloads with the engine's evaluation loss."""
 
 from __future__ import annotations
 
+import collections
 import itertools
 import json
 import re
@@ -73,6 +74,47 @@ def test_stages_run_in_sequence_equal_the_hf_model(family: str, attn: str) -> No
     assert name_map["0.embed_tokens.weight"] == "model.embed_tokens.weight"
     assert name_map["1.layer.input_layernorm.weight"] == "model.layers.0.input_layernorm.weight"
     assert layers[1].layer is model.model.layers[0]  # the HF modules themselves, not copies
+
+
+def count_mask_builds(monkeypatch: pytest.MonkeyPatch) -> collections.Counter[str]:
+    """Calls of Transformers' causal-mask builders from now on, by name."""
+    import transformers.masking_utils as masking
+
+    calls: collections.Counter[str] = collections.Counter()
+
+    def counted(name: str, make: Any) -> Any:
+        def wrapper(*args: Any, **kwargs: Any) -> Any:
+            calls[name] += 1
+            return make(*args, **kwargs)
+
+        return wrapper
+
+    for name in ("create_causal_mask", "create_sliding_window_causal_mask"):
+        monkeypatch.setattr(masking, name, counted(name, getattr(masking, name)))
+    return calls
+
+
+@pytest.mark.parametrize("family", ["llama", "qwen2_sliding"])
+@torch.no_grad()
+def test_the_mask_is_built_once_per_micro_batch_not_per_layer(family: str, monkeypatch: pytest.MonkeyPatch) -> None:
+    torch.manual_seed(0)
+    model = AutoModelForCausalLM.from_config(tiny_models()[family], dtype=torch.float32, attn_implementation="sdpa")
+    model.eval()
+    layers = to_pipeline_layers(model)
+    sliding = sum(getattr(layer, "_sliding", False) for layer in layers)
+    assert sliding == (0 if family == "llama" else 2)  # of 3 decoder layers
+    once = {"create_causal_mask": 1} | ({"create_sliding_window_causal_mask": 1} if sliding else {})
+    calls = count_mask_builds(monkeypatch)
+    ids = torch.randint(0, 128, (2, 16))
+    positions = torch.cat([torch.arange(6), torch.arange(10)]).expand(2, -1).clone()  # two documents per row
+    packed = sequential_forward(layers, ids, positions)
+    assert dict(calls) == once  # one build per mask kind for all the layers (before: one per layer)
+    assert torch.equal(packed, model(input_ids=ids, position_ids=positions, use_cache=False).logits)
+    positions.copy_(torch.arange(16))  # the same tensor rewritten in place: a new micro-batch, so a new mask
+    stream = sequential_forward(layers, ids, positions)
+    assert dict(calls) == {name: 2 for name in once}
+    assert torch.equal(stream, model(input_ids=ids, use_cache=False).logits)
+    assert (stream - packed).abs().max() > 1e-3  # the packed row's mask was not reused for the single sequence
 
 
 def test_pipeline_batches_feed_inputs_and_shifted_labels(tiny_data: Path) -> None:

@@ -10,6 +10,8 @@ Each ``DecoderStage`` rebuilds what ``XxxModel.forward`` shares across layers fr
 from its own reference to ``model.model.rotary_emb`` (kept in fp32, outside the engine's bf16/fp16 cast, like
 ``from_pretrained`` keeps it) and the mask from ``create_causal_mask`` — block-diagonal causal when the positions
 restart (Transformers finds the documents from them), else ``None`` for sdpa (``is_causal``) or a causal 4-D mask.
+The mask is built once per micro-batch per pipeline rank, not per layer: ``StageMasks`` keeps it for the positions
+tensor the rank's layers pass along (Transformers' packed-row detection is a host sync per build).
 
 The stages hold the HF modules themselves, so every parameter keeps a 1:1 HF name: ``build_name_map`` records
 ``"<layer index>.<name in stage>" → "<HF name>"`` before ``deepspeed.initialize`` and ``export_pipeline_hf`` uses it
@@ -117,29 +119,57 @@ class EmbeddingStage(nn.Module):
         return self.embed_tokens(input_ids), position_ids
 
 
+class StageMasks:
+    """The causal masks of the micro-batch a pipeline rank is running, built once and shared by its decoder layers.
+
+    Layers on one rank pass the same ``position_ids`` tensor along (views of it under activation checkpointing): a
+    mask is rebuilt only when the positions' storage, layout or version, or the hidden states' batch, sequence,
+    dtype or device change. The positions are held, so their storage cannot be reused by the next micro-batch.
+    """
+
+    def __init__(self, config: Any) -> None:
+        self.config = config
+        self._positions: torch.Tensor | None = None
+        self._key: tuple[Any, ...] = ()
+        self._masks: dict[bool, Any] = {}
+
+    def get(self, hidden: torch.Tensor, position_ids: torch.Tensor, sliding: bool) -> Any:
+        """Transformers' (sliding-window) causal mask for ``hidden`` at ``position_ids``; None where sdpa's
+        ``is_causal`` does."""
+        from transformers import masking_utils
+
+        key = (
+            position_ids.untyped_storage().data_ptr(), position_ids.storage_offset(), position_ids.shape,
+            position_ids.stride(), position_ids._version, hidden.shape[:2], hidden.dtype, hidden.device,
+        )  # fmt: skip
+        if key != self._key:
+            self._positions, self._key, self._masks = position_ids, key, {}
+        if sliding not in self._masks:
+            make = masking_utils.create_sliding_window_causal_mask if sliding else masking_utils.create_causal_mask
+            self._masks[sliding] = make(
+                config=self.config, inputs_embeds=hidden, attention_mask=None, cache=None, position_ids=position_ids
+            )
+        return self._masks[sliding]
+
+
 class DecoderStage(nn.Module):
-    """One HF decoder layer; computes its own positions, rotary tables and causal mask from the hidden states."""
+    """One HF decoder layer; computes its rotary tables from the positions and takes its mask from ``masks``."""
 
     def __init__(
-        self, layer: nn.Module, rotary_emb: nn.Module, config: Any, layer_type: str = "full_attention"
+        self, layer: nn.Module, rotary_emb: nn.Module, masks: StageMasks, layer_type: str = "full_attention"
     ) -> None:
         super().__init__()
         self.layer = layer
         self._rotary = (rotary_emb,)  # a tuple, not a submodule: shared, never cast to bf16, never saved
-        self._config = config
+        self._masks = masks
         self._sliding = layer_type == "sliding_attention"
 
     def forward(self, inputs: tuple[torch.Tensor, torch.Tensor]) -> tuple[torch.Tensor, torch.Tensor]:
-        from transformers.masking_utils import create_causal_mask, create_sliding_window_causal_mask
-
         hidden, position_ids = inputs
         rotary = self._rotary[0]
         if rotary.inv_freq.device != hidden.device:
             rotary.to(hidden.device)  # moves buffers only; their dtype (fp32) is kept
-        make_mask = create_sliding_window_causal_mask if self._sliding else create_causal_mask
-        mask = make_mask(
-            config=self._config, inputs_embeds=hidden, attention_mask=None, cache=None, position_ids=position_ids
-        )
+        mask = self._masks.get(hidden, position_ids, self._sliding)
         out = self.layer(
             hidden, attention_mask=mask, position_ids=position_ids, position_embeddings=rotary(hidden, position_ids)
         )
@@ -196,7 +226,8 @@ def to_pipeline_layers(model: nn.Module) -> list[nn.Module]:
     config = model.config
     types = list(getattr(config, "layer_types", None) or [])
     types += ["full_attention"] * (len(base.layers) - len(types))
-    decoders = [DecoderStage(layer, base.rotary_emb, config, types[i]) for i, layer in enumerate(base.layers)]
+    masks = StageMasks(config)  # one per model: in a pipeline, each rank's copy serves its own layers
+    decoders = [DecoderStage(layer, base.rotary_emb, masks, types[i]) for i, layer in enumerate(base.layers)]
     return [EmbeddingStage(base.embed_tokens), *decoders, HeadStage(base.norm, model.lm_head)]
 
 
