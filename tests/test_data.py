@@ -20,6 +20,7 @@ from deepzero.data import (
     PackedDataset,
     check_enough_rows,
     eval_indices,
+    eval_sample,
     iter_docs,
     load_meta,
     make_eval_loader,
@@ -28,7 +29,8 @@ from deepzero.data import (
     stdlib_corpus,
     train_tokenizer,
 )
-from deepzero.data.prepare import main, prepare, split_of
+from deepzero.data.prepare import doc_prefix, main, prepare, split_of
+from deepzero.data.tokenizer import CHAT_TEMPLATE
 from deepzero.errors import UserError
 
 REPO = Path(__file__).resolve().parent.parent
@@ -175,9 +177,10 @@ def test_prepare_text_packs_documents_with_eos(text_data: Path, corpus_dir: Path
     assert rows.shape[0] == meta["n_rows"]["train"] > 0 and meta["n_rows"]["val"] > 0
     assert not (text_data / "train-00000.mask.bin").exists()
     tok = AutoTokenizer.from_pretrained(tok_dir)
+    assert meta["doc_prefix_ids"] == [] and tok.bos_token_id is not None  # has a <|bos|> but does not add it
     docs = [d for d in read_corpus([str(corpus_dir)]).docs if split_of(d, seed=0, val_fraction=0.1) == "train"]
     stream = [t for d in docs for t in [*tok(d, add_special_tokens=False)["input_ids"], tok.eos_token_id]]
-    assert rows.reshape(-1).tolist() == stream[: rows.size]
+    assert rows.reshape(-1).tolist() == stream[: rows.size] and tok.bos_token_id not in stream
     item = PackedDataset(text_data, "train", documents=False)[3]
     assert item["input_ids"].tolist() == rows[3, :-1].tolist() and item["labels"].tolist() == rows[3, 1:].tolist()
     assert item["shift_labels"] is item["labels"] and item["input_ids"].dtype == torch.long
@@ -435,3 +438,133 @@ def test_shift_labels_give_next_token_loss_in_deepseek_v3(data: str, request: py
         assert torch.allclose(out.loss, manual, atol=1e-6)
         assert model(input_ids=batch["input_ids"], shift_labels=targets).loss is None  # labels switch the loss on
         assert not torch.allclose(model(input_ids=batch["input_ids"], labels=targets).loss, manual)  # shifted twice
+
+
+# --- bos per document ---------------------------------------------------------------------------------------------
+
+
+def test_a_tokenizer_that_adds_bos_gets_it_once_per_document_text_and_chat(
+    tok_dir: Path, corpus_dir: Path, chat_jsonl: Path, tmp_path: Path
+) -> None:
+    """The same BPE, saved to add <|bos|> (its post-processor) and with a chat template that writes no bos: every
+    text document and every conversation then starts with exactly one bos, at position 0, never a target, and
+    the first content token is the bos position's target."""
+    tok = AutoTokenizer.from_pretrained(tok_dir)
+    tok.add_bos_token = True  # rebuilds the post-processor: <|bos|> $A
+    tok.chat_template = CHAT_TEMPLATE.replace("{{ bos_token }}", "")
+    tok.save_pretrained(tmp_path / "tok")
+    tok = AutoTokenizer.from_pretrained(tmp_path / "tok")
+    bos, eos = tok.bos_token_id, tok.eos_token_id
+    assert tok("x")["input_ids"][0] == bos and doc_prefix(tok) == (bos,)
+
+    text = prepare([str(corpus_dir)], tmp_path / "text", tokenizer=str(tmp_path / "tok"), seq_len=64, val_fraction=0.1)
+    assert text["doc_prefix_ids"] == [bos]
+    docs = [d for d in read_corpus([str(corpus_dir)]).docs if split_of(d, 0, 0.1) == "train"]
+    stream = [t for d in docs for t in [bos, *tok(d, add_special_tokens=False)["input_ids"], eos]]
+    raw = np.fromfile(tmp_path / "text" / "train-00000.bin", dtype=np.uint16)
+    assert raw.tolist() == stream[: raw.size]
+    ds = PackedDataset(tmp_path / "text", "train")
+    starts = 0
+    for i in range(len(ds)):
+        ids, pos, labels = (ds[i][k] for k in ("input_ids", "position_ids", "labels"))
+        at_bos = ids == bos
+        assert torch.equal(pos[1:] == 0, at_bos[1:])  # a document starts at its bos, and only there
+        assert (labels[at_bos] == torch.from_numpy(raw.reshape(len(ds), 65)[i, 1:].astype(np.int64))[at_bos]).all()
+        assert (labels[at_bos] != IGNORE_INDEX).all() and (labels[at_bos] != bos).all()  # first content token
+        assert (labels[:-1][at_bos[1:]] == IGNORE_INDEX).all()  # bos itself is never a target
+        starts += int(at_bos.sum())
+    assert starts >= 5
+
+    chat = prepare([str(chat_jsonl)], tmp_path / "chat", tokenizer=str(tmp_path / "tok"), seq_len=96, val_fraction=0.25)
+    n_chats = sum(split_of(c, 0, 0.25) == "train" for c in CHATS)
+    raw = np.fromfile(tmp_path / "chat" / "train-00000.bin", dtype=np.uint16).reshape(-1, 97)
+    mask = np.fromfile(tmp_path / "chat" / "train-00000.mask.bin", dtype=np.uint8).reshape(-1, 97)
+    assert chat["doc_prefix_ids"] == [bos] and int((raw == bos).sum()) == n_chats  # prepended: the template has none
+    assert np.array_equal((mask & 2) != 0, raw == bos) and not (mask[raw == bos] & 1).any()
+    with_template_bos = prepare([str(chat_jsonl)], tmp_path / "chat2", tokenizer=str(tok_dir), seq_len=96)
+    assert with_template_bos["doc_prefix_ids"] == []  # --tokenizer train's own: nothing added, the template's bos
+
+
+# --- evaluation sample ----------------------------------------------------------------------------------------------
+
+
+def test_eval_sample_is_seeded_spread_over_the_split_and_the_same_for_any_world(text_data: Path) -> None:
+    n, k = 1000, 24
+    sample = eval_sample(n, k, seed=0)
+    assert sample == eval_sample(n, k, seed=0) == sorted(set(sample)) and len(sample) == k  # every eval, any resume
+    assert sample != list(range(k)) and sample[-1] - sample[0] > n // 2  # not the first rows: over the whole split
+    assert sum(i < n // 4 for i in sample) < k // 2 and sum(i >= 3 * n // 4 for i in sample) > 0
+    assert eval_sample(n, k, seed=1) != sample and eval_sample(n, None) == eval_sample(n, 5000) == list(range(n))
+    assert set(eval_sample(n, 12, seed=0)) < set(sample)  # another world's rounding reads a subset
+    for world in (1, 2, 3, 4):
+        shares = [eval_indices(n, r, world, k, seed=0) for r in range(world)]
+        assert sorted(_flat(shares)) == sample and max(map(len, shares)) - min(map(len, shares)) <= 1
+    val = PackedDataset(text_data, "val")
+    rows = eval_sample(len(val), 6, seed=3)
+    assert rows != list(range(6))
+    got = [b["input_ids"] for r in range(3) for b in make_eval_loader(val, 1, r, 3, max_rows=6, seed=3)]
+    assert sorted(torch.cat(got).tolist()) == sorted(val[i]["input_ids"].tolist() for i in rows)
+
+
+# --- token ids against the model's vocabulary ----------------------------------------------------------------------
+
+
+def _corrupt(src: Path, dst: Path, row: int, column: int, value: int) -> Path:
+    """A copy of a prepared folder whose train ``row`` holds ``value`` at ``column``."""
+    shutil.copytree(src, dst)
+    rows = np.memmap(dst / "train-00000.bin", dtype=np.uint16, mode="r+").reshape(-1, load_meta(dst)["seq_len"] + 1)
+    rows[row, column] = value
+    rows.flush()
+    return dst
+
+
+def test_rows_past_the_vocabulary_stop_in_one_line_naming_shard_and_row(text_data: Path, tmp_path: Path) -> None:
+    bad = _corrupt(text_data, tmp_path / "bad", row=7, column=5, value=600)
+    line = rf"{bad / 'train-00000.bin'}: row 7 \(train row 7\) holds token id 600 at column 5, past the model's"
+    line += r" vocabulary of 512 ids\. Fix: re-run data/prepare\.py"
+    assert PackedDataset(bad, "train")[7]["input_ids"].max() == 600  # unchecked without a vocab size
+    ds = PackedDataset(bad, "train", vocab_size=512)
+    with pytest.raises(UserError, match=line):
+        ds[7]
+    assert ds[6]["input_ids"].max() < 512
+    sampler = GlobalBatchSampler(len(ds), 2, 1, 0, 2, seed=0)
+    step = next(s for s in range(sampler.steps_per_epoch) if 7 in sampler.global_batch_indices(s))
+    rank = sampler.global_batch_indices(step).index(7) // 2
+    for r in range(2):  # both ranks stop at that step, also the one that does not read row 7 (its peers' check)
+        loader = make_train_loader(ds, GlobalBatchSampler(len(ds), 2, 1, r, 2, seed=0), num_workers=1)
+        batches = iter(loader)
+        for _ in range(step):
+            next(batches)
+        with pytest.raises(UserError, match=line):  # from the worker process, as a UserError
+            next(batches)
+    assert rank in (0, 1)
+    val = _corrupt(text_data, tmp_path / "val-bad", row=0, column=0, value=0)
+    rows = np.memmap(val / "val-00000.bin", dtype=np.uint16, mode="r+").reshape(-1, 65)
+    rows[0, 3] = 9999
+    rows.flush()
+    checked = PackedDataset(val, "val", vocab_size=512)
+    assert eval_indices(len(checked), 0, 2)[0] == 0
+    with pytest.raises(UserError, match=r"val-00000\.bin: row 0 \(val row 0\) holds token id 9999 at column 3"):
+        list(make_eval_loader(checked, 1, 1, 2, num_workers=1))  # rank 1 stops at rank 0's bad row
+
+
+def test_the_vocabulary_check_costs_microseconds_per_row(text_data: Path) -> None:
+    import time
+
+    plain, checked = PackedDataset(text_data, "train"), PackedDataset(text_data, "train", vocab_size=512)
+    rows = list(range(len(plain)))
+    timings = {}
+    for name, ds in (("plain", plain), ("checked", checked)):
+        ds[0]
+        best = float("inf")
+        for _ in range(3):
+            start = time.perf_counter()
+            for i in rows:
+                ds[i]
+            best = min(best, time.perf_counter() - start)
+        timings[name] = best / len(rows)
+    start = time.perf_counter()
+    checked.check_rows(rows)
+    timings["check"] = (time.perf_counter() - start) / len(rows)
+    print({k: f"{v * 1e6:.1f} us/row" for k, v in timings.items()})
+    assert timings["check"] < 50e-6  # µs beside a training step of the tiny model (~100 ms here)

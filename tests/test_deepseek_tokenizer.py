@@ -86,7 +86,8 @@ def test_saved_folder_reloads_with_the_package_vocabulary_and_deepseek_special_t
     assert (tok.bos_token_id, tok.eos_token_id, tok.pad_token_id) == (package_tokens[BOS], package_tokens[EOS], 1)
     for marker in (BOS, EOS, USER, ASSISTANT, "<think>", "</think>"):
         assert tok.encode(marker, add_special_tokens=False) == [package_tokens[marker]], marker
-    assert tok.encode("hello", add_special_tokens=True) == tok.encode("hello", add_special_tokens=False)  # no bos
+    plain = tok.encode("hello", add_special_tokens=False)
+    assert tok.encode("hello", add_special_tokens=True) == [tok.bos_token_id, *plain]  # bos first, as DeepSeek's
 
 
 @pytest.mark.parametrize(
@@ -158,7 +159,9 @@ def test_prepare_chat_writes_uint32_rows_with_assistant_only_targets(chat_data: 
             assert (raw[i, used:] == tok.pad_token_id).all() and not mask[i, used:].any()  # padding: eos, untrained
             for flag, run in itertools.groupby(range(used), key=lambda j: bool(mask[i, j] & 1)):
                 got.append((tok.decode(raw[i, list(run)]), flag))
-        assert got == _expected_pieces(chats)
+        assert got == _expected_pieces(chats)  # one bos per conversation: the template's, not doubled
+        assert int((raw == tok.bos_token_id).sum()) == len(chats) and meta["doc_prefix_ids"] == [tok.bos_token_id]
+        assert np.array_equal(raw == tok.bos_token_id, (mask & 2) != 0)
         in_think = np.isin(raw, think)
         assert in_think.sum() == 2 * sum(m["content"].count("<think>") for c in chats for m in c)
         assert (mask[in_think] & 1 == 1).all()  # R1-style reasoning is trained, in every turn
@@ -189,8 +192,21 @@ def test_prepare_text_writes_uint32_rows_of_the_documents(tok_dir: Path, tok, tm
     assert (meta["format"], meta["dtype"]) == ("text", "uint32")
     rows = np.fromfile(tmp_path / "data" / "train-00000.bin", dtype=np.uint32)
     docs = [t for t in TEXTS if split_of(t, 0, 0.25) == "train"]
-    stream = [i for t in docs for i in [*tok.encode(t, add_special_tokens=False), tok.eos_token_id]]
+    bos, eos = tok.bos_token_id, tok.eos_token_id
+    assert meta["doc_prefix_ids"] == [bos]
+    stream = [i for t in docs for i in [bos, *tok.encode(t, add_special_tokens=False), eos]]
     assert rows.max() >= 2**16 and rows.tolist() == stream[: len(rows)] and len(stream) - len(rows) < 33
+    ds = PackedDataset(tmp_path / "data", "train")
+    raw = rows.reshape(len(ds), 33).astype(np.int64)
+    starts = 0
+    for i in range(len(ds)):  # each document starts at position 0 on its bos; bos is no target, the next token is
+        ids, pos, labels = (ds[i][k] for k in ("input_ids", "position_ids", "labels"))
+        at_bos = ids == bos
+        starts += int(at_bos.sum())
+        assert torch.equal(pos[1:] == 0, at_bos[1:])
+        assert torch.equal(labels[at_bos], torch.from_numpy(raw[i, 1:])[at_bos]) and (labels[at_bos] != bos).all()
+        assert (labels[:-1][at_bos[1:]] == IGNORE_INDEX).all() and (labels != bos).all()
+    assert starts >= len(docs) - 2
 
 
 def test_train_export_reload_with_the_deepseek_vocabulary(chat_data: Path, tok, tmp_path: Path) -> None:

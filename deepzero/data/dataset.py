@@ -16,6 +16,12 @@ start inside the row (text: the token after an ``eos_token_id``; chat: mask bit 
 last position is -100 when the next token starts another document: no prediction across documents. The first
 position of a row is 0 even when the row starts inside a document. ``documents=False`` is stream packing:
 ``position_ids = arange(seq_len)`` and no extra -100.
+
+With ``vocab_size`` (the model's embedding rows) every row is checked as it is read: an id the model cannot embed
+(a corrupted shard, data prepared with another tokenizer) is a :class:`UserError` naming the shard and row. The
+loaders check every rank's rows of each micro-step on every rank (:class:`MicroBatch` ``peers``), so all ranks stop
+at the same step with the same line, and carry the error out of their worker process as a value: torch re-raises
+a worker's exception by calling its class with the traceback text, which would print that text.
 """
 
 from __future__ import annotations
@@ -23,13 +29,14 @@ from __future__ import annotations
 import bisect
 import json
 import signal
-from collections.abc import Iterator
+from collections.abc import Iterable, Iterator
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
 import numpy as np
 import torch
-from torch.utils.data import DataLoader, Dataset, Subset
+from torch.utils.data import DataLoader, Dataset, default_collate
 
 from deepzero.errors import UserError
 
@@ -146,7 +153,7 @@ class PackedDataset(Dataset):
     """Rows of one split over any number of shards, read lazily through ``np.memmap`` (picklable for DataLoader
     workers). Row ``i`` of the split is row ``i - start`` of the shard whose row range holds it."""
 
-    def __init__(self, data_dir: Path | str, split: str, documents: bool = True) -> None:
+    def __init__(self, data_dir: Path | str, split: str, documents: bool = True, vocab_size: int | None = None) -> None:
         if split not in SPLITS:
             raise UserError("split", f"unknown split '{split}'", f"use one of {SPLITS}")
         self.meta = load_meta(data_dir)
@@ -156,6 +163,8 @@ class PackedDataset(Dataset):
         self.shards: list[dict[str, Any]] = self.meta["shards"][split]
         self.starts: list[int] = np.cumsum([0] + [s["rows"] for s in self.shards])[:-1].tolist()
         self.eos: int | None = self.meta.get("eos_token_id")
+        self.vocab_size = vocab_size
+        """Ids must be below it (the model's embedding rows); None: not checked."""
         self._rows: list[np.ndarray] | None = None
         self._mask: list[np.ndarray] | None = None
 
@@ -167,9 +176,10 @@ class PackedDataset(Dataset):
         for shard in self.shards:
             shape = (shard["rows"], self.seq_len + 1)
             tokens, mask = shard_files(self.data_dir, shard["file"])
-            self._rows.append(np.memmap(tokens, dtype=self.meta["dtype"], mode="r", shape=shape))
+            # plain ndarray views of the maps: a row of an np.memmap costs ~5 us to index and ~20 us to reduce
+            self._rows.append(np.memmap(tokens, dtype=self.meta["dtype"], mode="r", shape=shape).view(np.ndarray))
             if _has_mask(self.meta):
-                self._mask.append(np.memmap(mask, dtype=np.uint8, mode="r", shape=shape))
+                self._mask.append(np.memmap(mask, dtype=np.uint8, mode="r", shape=shape).view(np.ndarray))
 
     def row(self, i: int) -> tuple[np.ndarray, np.ndarray | None]:
         """Row ``i`` of the split (``seq_len + 1`` tokens) and its mask (chat only)."""
@@ -179,7 +189,26 @@ class PackedDataset(Dataset):
             self._open()
         k = bisect.bisect_right(self.starts, i) - 1
         j = i - self.starts[k]
-        return self._rows[k][j], (self._mask[k][j] if self._mask else None)
+        tokens = self._rows[k][j]
+        if self.vocab_size is not None and (top := int(tokens.max())) >= self.vocab_size:
+            self._bad_row(k, j, i, top)
+        return tokens, (self._mask[k][j] if self._mask else None)
+
+    def check_rows(self, indices: list[int]) -> None:
+        """Raise the :class:`UserError` of the first of ``indices`` whose ids reach past ``vocab_size``."""
+        if self.vocab_size is not None:
+            for i in indices:
+                self.row(int(i))
+
+    def _bad_row(self, shard: int, j: int, i: int, top: int) -> None:
+        tokens, _ = shard_files(self.data_dir, self.shards[shard]["file"])
+        column = int(np.argmax(self._rows[shard][j] >= self.vocab_size))
+        raise UserError(
+            str(tokens),
+            f"row {j} ({self.split} row {i}) holds token id {top} at column {column}, past the model's vocabulary"
+            f" of {self.vocab_size} ids",
+            "re-run data/prepare.py with the tokenizer of --model (a prepared shard that changed is corrupted)",
+        )
 
     def __getitem__(self, i: int) -> dict[str, torch.Tensor]:
         """``input_ids`` = row[:-1]; ``labels`` = ``shift_labels`` = row[1:] with -100 where not trained;
@@ -219,6 +248,59 @@ class PackedDataset(Dataset):
         return {**self.__dict__, "_rows": None, "_mask": None}
 
 
+class MicroBatch(list):
+    """One rank's row indices of a micro-step, and ``peers``: the rows of every rank in that micro-step, which
+    the loader checks too (so that every rank stops at a bad row, not only the rank that trains on it)."""
+
+    def __init__(self, rows: list[int], peers: list[int]) -> None:
+        super().__init__(rows)
+        self.peers = peers
+
+
+@dataclass(frozen=True)
+class _Failure:
+    """A :class:`UserError` raised in a loader worker, carried to the loop as a batch and raised there."""
+
+    where: str
+    problem: str
+    fix: str
+
+
+class _Checked(Dataset):
+    """What a loader reads: the dataset's samples of a micro-batch after checking its peers' rows, or a _Failure."""
+
+    def __init__(self, dataset: PackedDataset) -> None:
+        self.dataset = dataset
+
+    def __len__(self) -> int:
+        return len(self.dataset)
+
+    def __getitems__(self, indices: list[int]) -> list[dict[str, torch.Tensor]] | _Failure:
+        try:
+            self.dataset.check_rows(getattr(indices, "peers", []))
+            return [self.dataset[i] for i in indices]
+        except UserError as err:
+            return _Failure(err.where, err.problem, err.fix)
+
+
+def _collate(samples: list[dict[str, torch.Tensor]] | _Failure) -> dict[str, torch.Tensor] | _Failure:
+    return samples if isinstance(samples, _Failure) else default_collate(samples)
+
+
+class _Loader(DataLoader):
+    """A DataLoader over :class:`_Checked` whose iterator raises a worker's :class:`UserError` as one."""
+
+    def __iter__(self) -> Iterator[dict[str, torch.Tensor]]:
+        return _raise_failures(super().__iter__())
+
+
+def _raise_failures(batches: Iterator[dict[str, torch.Tensor] | _Failure]) -> Iterator[dict[str, torch.Tensor]]:
+    for batch in batches:
+        if isinstance(batch, _Failure):
+            raise UserError(batch.where, batch.problem, batch.fix)
+        yield batch
+
+
 class GlobalBatchSampler:
     """Infinite iterator of micro-batches (lists of row indices) for one rank; same global batches for any world.
 
@@ -226,7 +308,8 @@ class GlobalBatchSampler:
     (counted across epochs; each epoch drops its incomplete tail) takes positions ``[j*G, (j+1)*G)`` of its epoch's
     permutation, ``j = s % steps_per_epoch``, ``G = micro × grad_accum × world``. Within that block rank ``r`` at
     micro-step ``k`` takes positions ``(k*world + r)*micro`` to ``+micro``. Every ``iter()`` starts at
-    ``start_step``, so resuming is constructing it with the number of optimizer steps already done.
+    ``start_step``, so resuming is constructing it with the number of optimizer steps already done. Each
+    micro-batch is a :class:`MicroBatch` whose ``peers`` are that micro-step's rows of every rank.
     """
 
     def __init__(
@@ -263,25 +346,28 @@ class GlobalBatchSampler:
             if e != epoch:
                 epoch, perm = e, self.permutation(e)
             for k in range(self.grad_accum):
-                lo = j * self.global_batch + (k * self.world + self.rank) * self.micro_batch
-                yield perm[lo : lo + self.micro_batch].tolist()
+                block = j * self.global_batch + k * self.world * self.micro_batch  # micro-step k of every rank
+                peers = perm[block : block + self.world * self.micro_batch].tolist()
+                lo = self.rank * self.micro_batch
+                yield MicroBatch(peers[lo : lo + self.micro_batch], peers)
             step += 1
 
 
 def make_train_loader(
-    dataset: Dataset, sampler: GlobalBatchSampler, num_workers: int = 0, pin_memory: bool = False
+    dataset: PackedDataset, sampler: Iterable[list[int]], num_workers: int = 0, pin_memory: bool = False
 ) -> DataLoader:
-    """An endless DataLoader of micro-batches in the sampler's order.
+    """An endless DataLoader of micro-batches in the sampler's order (a bad row raises its UserError here).
 
     Its workers ignore SIGTERM/SIGINT: a signal sent to the whole process group (SLURM, ``kill -TERM -PGID``,
     Ctrl-C) must reach the training process's save-and-exit path, not kill the worker it reads from. So the
     owner must stop them by dropping the loader's iterator (a plain SIGTERM at interpreter exit no longer does).
     """
-    return DataLoader(
-        dataset,
+    return _Loader(
+        _Checked(dataset),
         batch_sampler=sampler,
         num_workers=num_workers,
         pin_memory=pin_memory,
+        collate_fn=_collate,
         worker_init_fn=_ignore_stop_signals if num_workers else None,
     )
 
@@ -291,25 +377,44 @@ def _ignore_stop_signals(worker_id: int) -> None:
     signal.signal(signal.SIGINT, signal.SIG_IGN)
 
 
-def eval_indices(n_rows: int, rank: int, world: int, max_rows: int | None = None) -> list[int]:
-    """This rank's share of the first ``max_rows`` rows (all if None): rows ``rank, rank + world, ...``.
+def eval_sample(n_rows: int, max_rows: int | None = None, seed: int = 0) -> list[int]:
+    """The rows an evaluation reads: all of them, or ``max_rows`` drawn from the whole split, in row order.
 
-    Across ranks every row appears exactly once; shares differ by at most one row, so reduce the summed loss and
-    token counts once after the loop rather than per batch.
+    The draw is the first ``max_rows`` of ``torch.randperm(n_rows)`` under ``seed``: the same rows at every eval and
+    after a resume, for any world size, and a smaller ``max_rows`` (another world's rounding) reads a subset.
     """
-    n = n_rows if max_rows is None else min(n_rows, max_rows)
-    return list(range(rank, n, world))
+    if max_rows is None or max_rows >= n_rows:
+        return list(range(n_rows))
+    perm = torch.randperm(n_rows, generator=torch.Generator().manual_seed(seed))
+    return sorted(perm[: max(max_rows, 0)].tolist())
+
+
+def eval_indices(n_rows: int, rank: int, world: int, max_rows: int | None = None, seed: int = 0) -> list[int]:
+    """This rank's share of :func:`eval_sample`: its rows ``rank, rank + world, ...``.
+
+    Across ranks every sampled row appears exactly once; shares differ by at most one row, so reduce the summed
+    loss and token counts once after the loop rather than per batch.
+    """
+    return eval_sample(n_rows, max_rows, seed)[rank::world]
 
 
 def make_eval_loader(
-    dataset: Dataset,
+    dataset: PackedDataset,
     micro_batch: int,
     rank: int,
     world: int,
     max_rows: int | None = None,
     num_workers: int = 0,
     pin_memory: bool = False,
+    seed: int = 0,
 ) -> DataLoader:
-    """A finite, unshuffled DataLoader over this rank's share of the rows (see :func:`eval_indices`)."""
-    shard = Subset(dataset, eval_indices(len(dataset), rank, world, max_rows))
-    return DataLoader(shard, batch_size=micro_batch, shuffle=False, num_workers=num_workers, pin_memory=pin_memory)
+    """A finite, unshuffled DataLoader over this rank's share of the sampled rows (see :func:`eval_indices`);
+    each micro-batch also checks the rows the other ranks read at the same batch."""
+    shares = [eval_indices(len(dataset), r, world, max_rows, seed) for r in range(world)]
+    batches = [
+        MicroBatch(shares[rank][lo : lo + micro_batch], [i for s in shares for i in s[lo : lo + micro_batch]])
+        for lo in range(0, len(shares[rank]), micro_batch)
+    ]
+    return _Loader(
+        _Checked(dataset), batch_sampler=batches, num_workers=num_workers, pin_memory=pin_memory, collate_fn=_collate
+    )

@@ -8,9 +8,11 @@ same byte for byte whatever the worker count, and only a few batches per worker 
 goes to val when a hash of (seed, its content) falls below ``--val-fraction``, so the split needs no corpus size;
 if no val row comes of that (a tiny corpus), the last train documents, enough for one row, go to val instead.
 
-Plain text: every document is tokenized, gets ``<eos>`` appended, and the stream is cut into rows of ``seq_len + 1``
-tokens (the trailing remainder is dropped). Chat (``messages`` JSONL): each conversation is rendered with the
-tokenizer's chat template, only assistant turns (their text and closing token) are marked as targets (mask bit 0),
+Plain text: every document is tokenized, gets what the tokenizer itself puts first (its post-processor's prefix:
+``<bos>`` for DeepSeek's tokenizer, nothing for ``--tokenizer train``'s) prepended and ``<eos>`` appended, and the
+stream is cut into rows of ``seq_len + 1`` tokens (the trailing remainder is dropped). Chat (``messages`` JSONL):
+each conversation is rendered with the tokenizer's chat template (the same prefix is prepended unless the template
+already starts with it), only assistant turns (their text and closing token) are marked as targets (mask bit 0),
 the first token of each conversation is marked as a start (mask bit 1), and conversations are packed whole into
 rows (one longer than a row is truncated), the rest of a row being padding. Rows go to shards of at most
 ``--shard-mb`` each, written in a temp folder that is renamed into place at the end: a failed or killed run
@@ -59,6 +61,8 @@ TOKENIZER_SAMPLE_MB = 64
 _FLUSH_TOKENS = 1 << 22
 _TOKENIZER_SUFFIXES = frozenset({".json", ".jinja", ".txt", ".model", ".tiktoken"})
 _SKIPPED_LISTED = 10
+_DOC_LAYOUT = "tokenizer prefix + ids + eos"
+"""What a text document becomes; part of the fingerprint, so data prepared before the prefix is rebuilt."""
 
 
 @dataclass
@@ -124,7 +128,8 @@ def prepare(
         chat = not isinstance(first.value, str)
         _check_tokenizer(tok, tokenizer, chat)
         dtype = np.dtype(np.uint16 if len(tok) < 2**16 else np.uint32)
-        encoder = _Encoder(tok, tokenizer, chat, seed, val_fraction, dtype.name)
+        prefix = doc_prefix(tok)
+        encoder = _Encoder(tok, tokenizer, chat, seed, val_fraction, dtype.name, prefix)
         layout = _Layout(tmp, seq_len + 1, dtype, max(1, int(shard_mb * 2**20) // ((seq_len + 1) * dtype.itemsize)))
         pad = tok.pad_token_id if tok.pad_token_id is not None else tok.eos_token_id
         with _Progress(total_bytes) as progress:
@@ -138,6 +143,7 @@ def prepare(
             "bos_token_id": tok.bos_token_id,
             "eos_token_id": tok.eos_token_id,
             "pad_token_id": tok.pad_token_id,
+            "doc_prefix_ids": list(prefix),
             "n_docs": {s: v.n_docs for s, v in stats.items()},
             "n_rows": {s: v.n_rows for s, v in stats.items()},
             "n_tokens": {s: v.n_tokens for s, v in stats.items()},
@@ -164,6 +170,18 @@ def prepare(
         shutil.rmtree(tmp, ignore_errors=True)
     print(_summary(meta, out, progress, workers))
     return meta
+
+
+def doc_prefix(tok: PreTrainedTokenizerBase) -> tuple[int, ...]:
+    """The ids the tokenizer puts before a text's own tokens when it adds its special tokens (its post-processor,
+    set by ``add_bos_token``): ``(bos,)`` for DeepSeek's, ``()`` for a tokenizer that adds none."""
+    probe = "a"
+    plain = tok(probe, add_special_tokens=False)["input_ids"]
+    full = tok(probe, add_special_tokens=True)["input_ids"]
+    for i in range(len(full) - len(plain) + 1):
+        if full[i : i + len(plain)] == plain:
+            return tuple(full[:i])
+    return ()
 
 
 def split_of(value: str | Chat, seed: int, val_fraction: float) -> str:
@@ -214,6 +232,7 @@ def _fingerprint(
         "val_fraction": val_fraction,
         "format": fmt,
         "seed": seed,
+        "layout": _DOC_LAYOUT,
         **settings,
     }
     return hashlib.sha256(json.dumps(blob, sort_keys=True).encode()).hexdigest()[:16]
@@ -417,13 +436,15 @@ class _Encoder:
     seed: int
     val_fraction: float
     dtype: str
+    prefix: tuple[int, ...] = ()
+    """Put before every document (see :func:`doc_prefix`)."""
 
     def __call__(self, values: list[str | Chat]) -> dict[str, _Encoded]:
         split = [split_of(v, self.seed, self.val_fraction) for v in values]
         out = {}
         for name in ("train", "val"):
             part = [v for v, s in zip(values, split, strict=True) if s == name]
-            pieces = _encode_chats(self.tok, self.name, part) if self.chat else self._encode_texts(part)
+            pieces = _encode_chats(self.tok, self.name, part, self.prefix) if self.chat else self._encode_texts(part)
             ids = np.concatenate([p for p, _ in pieces]) if pieces else np.zeros(0, self.dtype)
             mask = np.concatenate([m for _, m in pieces]) if self.chat and pieces else None
             out[name] = _Encoded(ids.astype(self.dtype, copy=False), [len(p) for p, _ in pieces], mask)
@@ -431,7 +452,7 @@ class _Encoder:
 
     def _encode_texts(self, texts: list[str]) -> list[tuple[np.ndarray, None]]:
         eos = self.tok.eos_token_id
-        return [(np.array([*ids, eos], dtype=self.dtype), None) for ids in _encode(self.tok, texts)]
+        return [(np.array([*self.prefix, *ids, eos], dtype=self.dtype), None) for ids in _encode(self.tok, texts)]
 
 
 _WORKER: _Encoder | None = None
@@ -461,9 +482,12 @@ def _encode(tok: PreTrainedTokenizerBase, texts: list[str]) -> list[list[int]]:
     return tok(texts, add_special_tokens=False)["input_ids"]
 
 
-def _encode_chats(tok: PreTrainedTokenizerBase, name: str, chats: list[Chat]) -> list[tuple[np.ndarray, np.ndarray]]:
+def _encode_chats(
+    tok: PreTrainedTokenizerBase, name: str, chats: list[Chat], prefix: tuple[int, ...] = ()
+) -> list[tuple[np.ndarray, np.ndarray]]:
     """Token ids and a mask per conversation: bit 0 on tokens that start inside an assistant turn, bit 1 on the
-    conversation's first token."""
+    conversation's first token. ``prefix`` goes first unless the rendering already starts with it (a template that
+    writes ``bos_token``)."""
     if not chats:
         return []
     rendered = [_assistant_spans(tok, name, chat) for chat in chats]
@@ -474,9 +498,13 @@ def _encode_chats(tok: PreTrainedTokenizerBase, name: str, chats: list[Chat]) ->
         mask = np.zeros(len(starts), dtype=np.uint8)
         for lo, hi in spans:
             mask[(starts >= lo) & (starts < hi)] = MASK_TARGET
+        ids = np.array(enc.ids, dtype=np.int64)
+        if prefix and tuple(enc.ids[: len(prefix)]) != prefix:
+            ids = np.concatenate([np.array(prefix, dtype=np.int64), ids])
+            mask = np.concatenate([np.zeros(len(prefix), dtype=np.uint8), mask])
         if len(mask):
             mask[0] |= MASK_START
-        out.append((np.array(enc.ids, dtype=np.int64), mask))
+        out.append((ids, mask))
     return out
 
 

