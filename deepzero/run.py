@@ -127,10 +127,11 @@ def plan_run(args: TrainArgs, world: int) -> RunPlan:
             f"seq_len {seq_len} exceeds the model's max_position_embeddings {config.max_position_embeddings}",
             f"re-run data/prepare.py with --seq-len {config.max_position_embeddings} or less",
         )
-    train_data = PackedDataset(args.data, "train", documents=args.packing == "documents")
-    check_enough_rows(len(train_data), cfg.batch.global_batch, "train")
-    val_data = usable_val_split(args, meta, cfg.batch)
     tokenizer = plan_tokenizer(args, meta)
+    vocab = len(tokenizer) if source.random_init else max(len(tokenizer), config.vocab_size)  # make_model's embedding
+    train_data = PackedDataset(args.data, "train", documents=args.packing == "documents", vocab_size=vocab)
+    check_enough_rows(len(train_data), cfg.batch.global_batch, "train")
+    val_data = usable_val_split(args, meta, cfg.batch, vocab)
     check_disk(args, config, cfg.precision)
     if args.resume:
         checkpoint.check_resumable(args.checkpoint_dir, settings.dp_size(world))
@@ -194,11 +195,14 @@ def choose_engine(args: TrainArgs) -> EngineSettings:
     )
 
 
-def usable_val_split(args: TrainArgs, meta: dict[str, Any], batch: dsconfig.BatchMath) -> PackedDataset | None:
-    """The val split, or None (with a warning) when it cannot fill one evaluation round."""
+def usable_val_split(
+    args: TrainArgs, meta: dict[str, Any], batch: dsconfig.BatchMath, vocab_size: int | None = None
+) -> PackedDataset | None:
+    """The val split (its ids checked against ``vocab_size`` as read), or None (with a warning) when it cannot
+    fill one evaluation round."""
     if not meta["n_rows"].get("val"):
         return None
-    val_data = PackedDataset(args.data, "val", documents=args.packing == "documents")
+    val_data = PackedDataset(args.data, "val", documents=args.packing == "documents", vocab_size=vocab_size)
     if args.eval_interval and len(val_data) < batch.micro * batch.dp_size:
         warn(
             f"{args.data}: val split has {len(val_data)} rows, fewer than one eval round (micro {batch.micro}"
