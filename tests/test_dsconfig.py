@@ -270,3 +270,25 @@ def test_train_py_trains_at_the_lr_edited_in_a_copy_of_a_preset(tiny_data: Path,
     run_config = json.loads((out / "run_config.json").read_text())
     assert peaks(run_config["deepspeed"]) == (1e-3, 1e-3)
     assert run_config["lr_source"] == f"{mine} optimizer.params.lr"
+
+
+def test_plan_run_takes_the_random_init_presets_lr_only_where_the_json_says_auto(
+    tiny_data: Path, tmp_path: Path
+) -> None:
+    """train.py's planning step: tiny-deepseek-v3 (pretraining lr 2e-3) with the shipped zero2.json ("auto"), with
+    ``--ds optimizer.params.lr=5e-4``, and with --lr on top of a conflicting --ds peak."""
+    from deepzero.args import parse_args
+    from deepzero.run import plan_run
+
+    base = ["--model", "tiny-deepseek-v3", "--data", str(tiny_data), "--out", str(tmp_path / "run"), "--no-export"]
+
+    def plan(*extra: str) -> tuple[tuple[float, float | None], str]:
+        p = plan_run(parse_args([*base, "--precision", "fp32", *extra]), 3)
+        return peaks(p.cfg.ds), p.lr_source
+
+    shipped, source = plan()
+    assert shipped == (2e-3, 2e-3) and source.startswith("model preset tiny-deepseek-v3, random init")
+    assert plan("--ds", "optimizer.params.lr=5e-4") == ((5e-4, 5e-4), "--ds optimizer.params.lr")
+    with pytest.raises(UserError, match=r"'optimizer\.params\.lr' 0\.0005 \(--ds\) and 'scheduler\.params\.warmup"):
+        plan("--ds", "optimizer.params.lr=5e-4", "scheduler.params.warmup_max_lr=1e-3")
+    assert plan("--lr", "4e-4", "--ds", "scheduler.params.warmup_max_lr=1e-3") == ((4e-4, 4e-4), "--lr")
