@@ -104,6 +104,20 @@ def test_lora_only_adapters_get_gradients_and_optimizer(coder: plan.ModelStats) 
     assert close(z3.params, 2 * coder.total / N + 2 * adapters * (1 + 1 / N), 0.001)
 
 
+@pytest.mark.parametrize("targets", ["attn", "attn,experts"])
+def test_lora_spec_counts_what_peft_wraps(targets: str) -> None:
+    """check_fit's LoRA trainable count is the one apply_lora leaves trainable (tiny V3: 16,640 attn; 68,864 with
+    the fused routed experts)."""
+    from transformers import AutoModelForCausalLM
+
+    from deepzero.lora import apply_lora
+
+    config, spec = get_preset("tiny-deepseek-v3").config(), LoraSpec.parse(f"r=4,targets={targets}")
+    model = apply_lora(AutoModelForCausalLM.from_config(config), spec)
+    wrapped = sum(p.numel() for p in model.parameters() if p.requires_grad)
+    assert sum(model_stats(config, lora=spec).lora_numels(spec.r)) == wrapped
+
+
 def test_cross_check_with_deepspeed_estimators(coder: plan.ModelStats) -> None:
     """DeepSpeed's own estimators agree once their documented differences are accounted for (docs/memory.md)."""
     from deepspeed.runtime.zero.stage3 import estimate_zero3_model_states_mem_needs as ds3
