@@ -147,6 +147,15 @@ def build_model(
     return model
 
 
+@torch.no_grad()
+def cast_parameters(model: torch.nn.Module, dtype: torch.dtype) -> None:
+    """Cast the floating-point parameters to ``dtype``; buffers keep their dtype, as DeepSpeed (>= 0.19.2) does:
+    RoPE's ``inv_freq`` and V3's ``e_score_correction_bias`` stay fp32 (``model.to(bf16)`` would round them)."""
+    for param in model.parameters():
+        if param.is_floating_point() and param.dtype != dtype:
+            param.data = param.data.to(dtype)
+
+
 def zero3_context(ds_config: dict[str, Any]) -> object:
     """Keep the returned object alive for the whole run: it makes from_pretrained/from_config partition at load."""
     from transformers.integrations import HfDeepSpeedConfig

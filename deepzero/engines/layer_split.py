@@ -19,6 +19,7 @@ from deepzero.dsconfig import BatchMath
 from deepzero.engines.base import Batch, ModelFactory, draw, lm_loss, loss_normalizer, mean_eval_loss
 from deepzero.errors import UserError
 from deepzero.export import ExportReport, export_hf
+from deepzero.modeling import cast_parameters
 from deepzero.placement import Placement, apply_placement, format_placement, plan_placement, torch_device
 
 
@@ -60,7 +61,7 @@ class LayerSplitEngine:
         keys = ("lr", "betas", "eps", "weight_decay", "fused", "foreach")
         params = {k: v for k, v in opt.get("params", {}).items() if k in keys}
         if ds.get("bf16", {}).get("enabled"):  # as DeepSpeed does: 16-bit weights, fp32 master weights to step
-            model.to(torch.bfloat16)
+            cast_parameters(model, torch.bfloat16)  # buffers (RoPE inv_freq, V3's routing bias) stay fp32
         self.names = [name for name, p in model.named_parameters() if p.requires_grad]
         self.trainable = [p for p in model.parameters() if p.requires_grad]
         self.masters = [p if p.dtype == torch.float32 else p.detach().float().clone() for p in self.trainable]
