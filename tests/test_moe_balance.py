@@ -11,7 +11,7 @@ import pytest
 import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
-from conftest import records, run_bounded
+from conftest import prepare, records, run_bounded
 from transformers import AutoModelForCausalLM
 
 from deepzero import moe_balance
@@ -397,3 +397,75 @@ def test_bias_resumes_exactly_and_reaches_the_export(skewed: Path, tiny_data: Pa
     for key in keys:
         assert a[key].dtype == torch.float32 and a[key].abs().sum() > 0
         assert torch.equal(a[key], b[key]), key
+
+
+# Through train.py on chat rows that end in padding: a pad embedding steered to expert 7 changes nothing.
+
+CHAT_WORDS = ["ab", "cd", "ef", "gh", "ij", "kl", "mn", "op"]
+
+
+@pytest.fixture(scope="module")
+def padded_chats(tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, Path, Path]:
+    """Chat data of one conversation per 64-token row (about 40% padding), and tiny-deepseek-v3 saved twice: as
+    built, and with the pad id's embedding pointed along every router's expert 7."""
+    import json
+    import random
+
+    from deepzero.data import load_meta
+    from deepzero.modeling import load_tokenizer
+
+    root = tmp_path_factory.mktemp("padded_chats")
+    rng = random.Random(0)
+    turns = [" ".join(rng.choices(CHAT_WORDS, k=rng.randint(14, 18))) for _ in range(2 * 100)]  # a token a word
+    chats = [
+        {"messages": [{"role": "user", "content": q}, {"role": "assistant", "content": a}]}
+        for q, a in zip(turns[::2], turns[1::2], strict=True)
+    ]
+    (root / "chats.jsonl").write_text("".join(json.dumps(c) + "\n" for c in chats))
+    args = ("--tokenizer", "train", "--vocab-size", "300", "--val-fraction", "0.1")
+    data = prepare(root / "data", *args, inputs=[root / "chats.jsonl"], seq_len=64)
+    meta = load_meta(data)
+    torch.manual_seed(0)
+    config = PRESETS["tiny-deepseek-v3"].config(vocab_size=len(load_tokenizer(meta["tokenizer"], False)))
+    model = AutoModelForCausalLM.from_config(config)
+    model.save_pretrained(root / "plain")
+    rows = torch.stack([torch.nn.functional.normalize(r.weight[7], dim=0) for r in moe_balance.find_routers(model)])
+    with torch.no_grad():
+        model.get_input_embeddings().weight[moe_balance.padding_id(meta)] = 4 * rows.sum(0) / rows.norm()
+    model.save_pretrained(root / "steered")
+    return data, root / "plain", root / "steered"
+
+
+def test_padding_steers_neither_loads_nor_bias_nor_loss_through_train_py(
+    padded_chats: tuple[Path, Path, Path], tmp_path: Path
+) -> None:
+    """The padding found in PackedDataset rows is exactly what prepare wrote as no token; counted, the steered pad
+    ids would move onto expert 7 (its load +1× the mean or more in a layer). Trained through train.py (bias + sequence-wise loss,
+    gradient checkpointing, 4 steps), the plain and the steered model give the same losses, balance losses and
+    per-expert loads: the padding neither routes the bias nor enters the loss."""
+    from deepzero.data import PackedDataset
+
+    data, plain, steered = padded_chats
+    rows = PackedDataset(data, "train")
+    pad = moe_balance.padding_id(rows.meta)
+    real = [moe_balance.real_tokens({k: v[None] for k, v in rows[i].items()}, pad) for i in range(len(rows))]
+    assert sum(int(r.sum()) for r in real) == rows.meta["n_tokens"]["train"]  # every row ends in padding
+    assert sum(int(r.sum()) for r in real) < 0.7 * len(rows) * rows.seq_len
+    first = {k: torch.stack([rows[i][k] for i in range(8)]) for k in ("input_ids", "labels")}
+    counted = {}
+    for folder in (plain, steered):
+        model = AutoModelForCausalLM.from_pretrained(folder).train()
+        balancer = Balancer(model, BalanceChoice("off", "deepseek_v3"), lambda: 1.0, "cpu")  # no watch: all counted
+        model(**first)
+        counted[folder] = load_stats(balancer.step_counts)["expert_load"]
+    moved = torch.tensor(counted[steered]) - torch.tensor(counted[plain])
+    assert moved[:, 7].max() > 1.0 and moved[:, 7].min() >= 0, moved  # the pads move onto expert 7
+    flags = ("--moe-balance", "both", "--moe-bias-rate", "0.02", "--moe-aux-alpha", "0.05", "--gradient-checkpointing")
+    a = train(plain, data, tmp_path / "plain", *flags, "--log-interval", "2", steps=4)
+    b = train(steered, data, tmp_path / "steered", *flags, "--log-interval", "2", steps=4)
+    assert len(a) == len(b) == 2
+    for ra, rb in zip(a, b, strict=True):
+        assert rb["loss"] == pytest.approx(ra["loss"], abs=1e-5)
+        assert rb["balance_loss"] == pytest.approx(ra["balance_loss"], rel=1e-4)
+        for la, lb in zip(ra["expert_load"], rb["expert_load"], strict=True):
+            assert lb == pytest.approx(la, abs=0.02), (la, lb)
