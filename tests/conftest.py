@@ -29,12 +29,6 @@ CPU = probe_cpu()
 FAKE_CPU = REPO / "tests" / "fake_cpu"
 """A sitecustomize.py that makes deepzero see a CPU with the kernels named in DEEPZERO_FAKE_CPU_KERNELS."""
 
-needs_native_fp16 = pytest.mark.skipif(
-    not CPU.fp16,
-    reason=f"this CPU ({CPU.name}) has no native fp16 kernels (AVX512-FP16/AMX-FP16): DeepSpeed refuses fp16 here",
-)
-"""For what only fp16 does (loss scaling, skipped overflow steps); elsewhere the seed preset trains in fp32."""
-
 
 NATIVE_16BIT = DeviceKernels("cpu", "a test CPU", fp16=True, bf16=True, detail="faked")
 """For in-process resolve() calls whose expectations must not depend on the machine: presets keep their types."""
@@ -66,6 +60,15 @@ def fake_cpu_vars(kernels: str) -> dict[str, str]:
     """Environment variables for processes that see a CPU with exactly ``kernels`` ("", "fp16", "bf16", "fp16,bf16")."""
     path = os.pathsep.join(filter(None, [str(FAKE_CPU), str(REPO), os.environ.get("PYTHONPATH")]))
     return {"PYTHONPATH": path, "DEEPZERO_FAKE_CPU_KERNELS": kernels}
+
+
+def fp16_env(**extra: str) -> dict[str, str]:
+    """The environment of a run that trains in fp16 on any machine, for what only fp16 does (loss scaling, skipped
+    overflow steps): the CPU as it is where it has native fp16, else one faked to have it (tests/fake_cpu tells
+    DeepSpeed so too; torch computes fp16 on every CPU, only slower without AVX512-FP16)."""
+    if CPU.fp16:
+        return cpu_env(**extra)
+    return cpu_env(**fake_cpu_vars("fp16,bf16" if CPU.bf16 else "fp16"), **extra)
 
 
 def cpu_env(**extra: str) -> dict[str, str]:

@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import ast
 import contextlib
+import itertools
 import json
 import math
 import os
@@ -28,11 +29,11 @@ from pathlib import Path
 import psutil
 import pytest
 import torch
-from conftest import REPO, cpu_env, free_port, launch, losses, needs_native_fp16, records
+from conftest import REPO, cpu_env, fp16_env, free_port, launch, losses, records
 from safetensors.torch import load_file
 
 from deepzero.checkpoint import latest_tag, published_tags, tag_for
-from deepzero.precision import logit_tolerance
+from deepzero.precision import FP16_MAX, logit_tolerance
 
 launcher = pytest.mark.launcher
 """Tests that start the real launcher (deselect with -m "not launcher")."""
@@ -534,19 +535,16 @@ def test_export_cli_turns_a_zero3_checkpoint_into_safetensors_matching_the_train
     assert_same_model(tmp_path / "hf", full / "hf")
 
 
-# -------------------------------------------------------- 2: SIGKILL mid-save, keep-last-K, fp16 overflows
+# ---------------------------------------------------------------------- 2: SIGKILL mid-save, keep-last-K
 
 
 @pytest.fixture(scope="module")
 def killed_mid_save(tiny_data: Path, tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, int, float, str]:
-    """ZeRO-2 fp16, a checkpoint every step (keep 2), rank 0 SIGKILLed while a ``.partial`` folder exists.
-
-    The loss scale starts at 2^19 without hysteresis, so the first steps overflow in fp16 and are skipped.
-    """
+    """ZeRO-2 (fp16 where the CPU has it, else fp32), a checkpoint every step (keep 2), rank 0 SIGKILLed while a
+    ``.partial`` folder exists."""
     root = tmp_path_factory.mktemp("sigkill")
     out = root / "run"
     args = tiny_args(tiny_data, out, "--max-steps", "60", "--save-interval", "1", "--keep-last", "2", "--no-export")
-    args += ["--ds", "fp16.initial_scale_power=19", "fp16.hysteresis=1"]
     job = start([*ZERO2, *args], root / "launcher.log", nproc=2)
     ckpt = out / "checkpoints"
     try:
@@ -584,18 +582,6 @@ def test_only_the_last_k_checkpoints_are_kept(killed_mid_save: tuple[Path, int, 
     assert int(tags[0][4:]) == int(latest[4:]) - 1
 
 
-@launcher
-@needs_native_fp16
-def test_fp16_overflow_steps_are_counted_and_logged(killed_mid_save: tuple[Path, int, float, str]) -> None:
-    out = killed_mid_save[0]
-    log = records(out)
-    skipped = [r["skipped_steps"] for r in log]
-    assert skipped[-1] >= 1 and skipped == sorted(skipped), skipped
-    first = next(r for r in log if r["skipped_steps"])
-    assert first["loss_scale"] == 2**18  # 2^19 overflowed: the step was skipped and the scale halved
-    assert all(math.isfinite(r["loss"]) for r in log)  # an overflow skips the update; the loss stays finite
-
-
 @pytest.fixture(scope="module")
 def resumed_after_kill(killed_mid_save: tuple[Path, int, float, str], tiny_data: Path) -> tuple[Path, int, str]:
     """Resume the killed run for 2 more steps, with the HF export. A marker file is left in the stale
@@ -606,7 +592,7 @@ def resumed_after_kill(killed_mid_save: tuple[Path, int, float, str], tiny_data:
     for stale in ckpt.glob("*.partial"):
         (stale / "left_by_the_killed_run.pt").write_bytes(b"stale")
     args = tiny_args(tiny_data, out, "--max-steps", str(stopped + 2), "--save-interval", "1", "--keep-last", "2")
-    proc = launch([*ZERO2, *args, "--ds", "fp16.initial_scale_power=19", "fp16.hysteresis=1", "--resume"], nproc=2)
+    proc = launch([*ZERO2, *args, "--resume"], nproc=2)
     return out, stopped, proc.stdout + proc.stderr
 
 
@@ -639,6 +625,62 @@ def test_export_cli_turns_a_zero2_checkpoint_into_safetensors_matching_the_train
     out, stopped, _ = resumed_after_kill
     export_cli(out / "checkpoints", tmp_path / "hf", "--tag", tag_for(stopped + 2))
     assert_same_model(tmp_path / "hf", out / "hf")
+
+
+# ------------------------------------------------------------------------------------- 2: fp16 overflows
+
+FP16_TO_INF = FP16_MAX + 16
+"""The smallest value fp16 rounds to inf: 65504 plus half its last step (32)."""
+FP16_STEPS = 10
+FP16_TOKENS_PER_RANK = 1 * 1 * 64
+"""Micro-batch 1 × accumulation 1 × 64-token rows: at most this many targets per rank and step."""
+
+
+def certain_overflow_power(tokens_per_rank: int) -> int:
+    """The loss-scale power at which the first fp16 step overflows whatever the weights are.
+
+    Each micro-batch's loss is its summed cross-entropy × accumulation × data-parallel size / N (N: the step's global
+    target count, ``loss_normalizer``), and DeepSpeed's backward multiplies it by scale / accumulation. A target's
+    logit then gets the gradient scale · (p_target − 1) / (N / dp), where N / dp ≤ ``tokens_per_rank``. Both losses
+    (the tiled one and Transformers') compute it in fp32 and cast it to the model's fp16, so with p_target ≤ 1/2
+    (at init p_target ≈ 1/vocab) it is inf once scale ≥ 2 · 65520 · tokens_per_rank."""
+    return math.ceil(math.log2(2 * FP16_TO_INF * tokens_per_rank))
+
+
+@pytest.fixture(scope="module")
+def fp16_overflows(tiny_data: Path, tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, str]:
+    """ZeRO-2 in fp16 on 2 ranks (this CPU's own fp16, or one faked to have it: ``fp16_env``), the loss scale
+    starting at the certain-overflow power without hysteresis: every overflow halves it."""
+    out = tmp_path_factory.mktemp("fp16") / "run"
+    args = tiny_args(tiny_data, out, "--max-steps", str(FP16_STEPS), "--save-interval", "0", "--no-export")
+    args += ["--micro-batch", "1", "--grad-accum", "1"]  # last wins: FP16_TOKENS_PER_RANK
+    power = certain_overflow_power(FP16_TOKENS_PER_RANK)
+    args += ["--ds", f"fp16.initial_scale_power={power}", "fp16.hysteresis=1"]
+    proc = launch([*ZERO2, *args], nproc=2, env=fp16_env())
+    return out, proc.stdout + proc.stderr
+
+
+@launcher
+def test_fp16_overflow_steps_are_counted_and_logged(fp16_overflows: tuple[Path, str]) -> None:
+    """Step 1 overflows for certain (``certain_overflow_power``) and is skipped; each skipped step halves the scale
+    and counts once, a step that does not overflow keeps it. Some step is taken: even if all before it overflowed,
+    the last runs at 2^14, below where this model's natural gradients overflow (measured, fp16 faked on an EPYC:
+    2^23 to 2^18 overflowed, 2^17 trained).
+    The loss stays finite: an overflow skips the update."""
+    out, log = fp16_overflows
+    power = certain_overflow_power(FP16_TOKENS_PER_RANK)
+    assert power == 23  # 2 · 65520 · 64 = 2^22.9996
+    assert re.search(r"^precision: fp16 \(fp16 asked by ds_configs/zero2\.json; .* has native fp16\)$", log, re.M), log
+    assert json.loads((out / "run_config.json").read_text())["precision"]["dtype"] == "fp16"
+    log_lines = records(out)
+    assert [r["step"] for r in log_lines] == list(range(1, FP16_STEPS + 1))
+    skipped, scales = [r["skipped_steps"] for r in log_lines], [r["loss_scale"] for r in log_lines]
+    assert skipped[0] == 1 and scales[0] == 2 ** (power - 1), (skipped, scales)
+    for before, after in itertools.pairwise(log_lines):
+        change = (after["skipped_steps"] - before["skipped_steps"], after["loss_scale"] / before["loss_scale"])
+        assert change in ((1, 0.5), (0, 1.0)), (skipped, scales)
+    assert skipped[-1] < FP16_STEPS, (skipped, scales)
+    assert all(math.isfinite(r["loss"]) for r in log_lines)
 
 
 # ----------------------------------------------------------------------------------- 4: one rank dies
