@@ -194,7 +194,8 @@ def check_shared_storage(ckpt_dir: Path, ds: dict[str, Any], config_path: str) -
     if blind:
         raise UserError(
             str(ckpt_dir),
-            f"{'rank' if len(blind) == 1 else 'ranks'} {_ranks(blind)} of {world} do not see the file rank 0 wrote there, and only rank 0 publishes a"
+            f"{'rank' if len(blind) == 1 else 'ranks'} {_ranks(blind)} of {world}"
+            f" {'does' if len(blind) == 1 else 'do'} not see the file rank 0 wrote there, and only rank 0 publishes a"
             " checkpoint, so every rank must write into the same folder",
             "put --out on a filesystem that every node mounts at the same path (NFS, Lustre, ...)",
         )

@@ -19,6 +19,7 @@ import subprocess
 import sys
 import time
 from pathlib import Path
+from typing import Any
 
 import pytest
 from conftest import REPO, cpu_env, free_port, launch, losses, records, run_bounded
@@ -160,3 +161,51 @@ def test_node_local_checkpoint_storage_is_refused(tiny_data: Path, tmp_path: Pat
         " node shares"
     )
     assert "Traceback" not in proc.stderr
+
+
+def _check_in_group(rank: int, world: int, port: int, runs: list[list[str]], results: Any) -> None:
+    """One rank of a plain gloo group: the start-of-run check on its folder of each run; puts (run, rank, seconds,
+    error line or None) on ``results``."""
+    import torch.distributed as dist
+
+    from deepzero.checkpoint import check_shared_storage
+    from deepzero.errors import UserError
+
+    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world)
+    for i, folders in enumerate(runs):
+        start = time.perf_counter()
+        try:
+            check_shared_storage(Path(folders[rank]), {}, "zero2.json")
+            error = None
+        except UserError as err:
+            error = str(err)
+        results.put((i, rank, time.perf_counter() - start, error))
+    dist.barrier()
+
+
+def test_the_shared_storage_check_costs_one_file_and_two_collectives(tmp_path: Path) -> None:
+    """The check itself in a 3-rank gloo group: a shared folder passes in milliseconds and keeps nothing; one rank
+    writing elsewhere makes every rank raise the line, each naming its own folder."""
+    import torch.multiprocessing as mp
+
+    shared, elsewhere = tmp_path / "shared" / "checkpoints", tmp_path / "elsewhere" / "checkpoints"
+    runs = [[str(shared)] * 3, [str(shared), str(shared), str(elsewhere)]]
+    results = mp.get_context("spawn").SimpleQueue()
+    mp.start_processes(_check_in_group, args=(3, free_port(), runs, results), nprocs=3, start_method="spawn")
+    got: dict[tuple[int, int], tuple[float, str | None]] = {}
+    while not results.empty():
+        run, rank, seconds, error = results.get()
+        got[run, rank] = (seconds, error)
+    assert sorted(got) == [(r, k) for r in range(2) for k in range(3)]
+    assert all(got[0, k][1] is None for k in range(3)), got
+    seconds = max(got[0, k][0] for k in range(3))
+    print(f"shared-storage check on 3 ranks: {seconds * 1000:.1f} ms")
+    assert seconds < 1.0
+    for rank in range(3):
+        folder = elsewhere if rank == 2 else shared
+        assert got[1, rank][1] == (
+            f"{folder}: rank 2 of 3 does not see the file rank 0 wrote there, and only rank 0 publishes a checkpoint,"
+            " so every rank must write into the same folder. Fix: put --out on a filesystem that every node mounts"
+            " at the same path (NFS, Lustre, ...)"
+        )
+    assert list(shared.iterdir()) == []  # the marker is removed in both cases
