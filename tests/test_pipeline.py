@@ -13,7 +13,7 @@ from typing import Any
 
 import pytest
 import torch
-from conftest import NATIVE_16BIT, bf16_precision, launch, losses, records
+from conftest import NATIVE_16BIT, REPO, bf16_precision, cpu_env, launch, losses, records
 from safetensors.torch import load_file
 from transformers import AutoConfig, AutoModelForCausalLM, LlamaConfig, Qwen2Config
 
@@ -225,6 +225,22 @@ def plain_fp32(tiny_data: Path, tmp_path_factory: pytest.TempPathFactory) -> Pat
     proc = launch(args, nproc=1, timeout=600)
     assert "micro 2 × accumulation 6 × data-parallel 1 = global 12" in proc.stdout
     return out
+
+
+@pytest.mark.launcher
+def test_each_rank_builds_the_mask_once_per_micro_batch(tmp_path: Path) -> None:
+    """tests/helpers/pipeline_masks.py: a real 3-stage engine trains a step of 3 packed micro-batches."""
+    out = tmp_path / "masks.json"
+    env = cpu_env(PYTHONPATH=str(REPO))
+    launch(["--out", str(out)], env=env, timeout=600, script="tests/helpers/pipeline_masks.py")
+    ranks = json.loads(out.read_text())["ranks"]
+    assert [r["decoder_layers"] for r in ranks] == [2, 1, 1]  # type:DecoderStage over 4 layers
+    for r in ranks:
+        micro = r["micro_batches"]
+        assert r["mask_builds"] == {"create_causal_mask": micro}, r  # before: decoder_layers × micro
+        assert r["syncs"]["transformers/masking_utils.py"] == micro, r  # its packed-row check, once per build
+        assert r["max_abs_logit_diff"] <= 1e-5, r  # packed documents stay masked through the stages
+    assert len({r["loss"] for r in ranks}) == 1
 
 
 @pytest.mark.launcher
