@@ -96,6 +96,24 @@ class TrainArgs:
         ),
     )
     gradient_checkpointing: bool = field(default=False, **_help("Recompute activations in backward to save memory."))
+    activation_offload: bool = field(
+        default=False,
+        **_help("With --gradient-checkpointing: keep the checkpointed hidden states in host memory (ZeRO engines)."),
+    )
+    tiled_loss: Literal["on", "off"] = field(
+        default="on",
+        **_help(
+            "on: the loss is computed over the LM head in token tiles, so the [tokens × vocab] logits are never held"
+            " whole (exact; recomputes the head's logits in backward). off: the model's own loss on whole logits."
+        ),
+    )
+    tiled_mlp: str = field(
+        default="off",
+        **_help(
+            "Run each dense MLP in sequence tiles (DeepSpeed's TiledMLP; exact, the forward recomputed in backward):"
+            " on (ceil(seq_len / hidden) tiles), a tile count, or off."
+        ),
+    )
     trust_remote_code: bool = field(default=False, **_help("Allow code from the model repo to run (off by default)."))
     device_map: str | None = field(
         default=None,
@@ -171,6 +189,8 @@ class TrainArgs:
             value = getattr(self, name)
             if value is not None and not (math.isfinite(value) and value >= (1e-9 if name == "peak_tflops" else 0)):
                 raise UserError(f"--{name.replace('_', '-')}", f"must be a positive number, got {value}", "pass e.g. 1")
+        if self.tiled_mlp not in ("on", "off") and not (self.tiled_mlp.isdigit() and int(self.tiled_mlp) >= 1):
+            raise UserError(f"--tiled-mlp {self.tiled_mlp}", "not on, off or a tile count", "pass on, off or e.g. 4")
         if self.attn_implementation not in ATTENTION and "/" not in self.attn_implementation:
             raise UserError(
                 f"--attn-implementation {self.attn_implementation}",

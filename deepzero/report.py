@@ -81,6 +81,7 @@ def print_header(run: Run, model_name: str) -> None:
         cfg.precision_choice.describe(),
         cfg.batch.describe(run.seq_len),
         *([run.balancer.choice.describe()] if run.balancer is not None else []),
+        *([run.savers.describe()] if run.savers is not None else []),
         f"lr: peak {cfg.ds['optimizer']['params']['lr']:g} from {run.lr_source}; scheduler {cfg.ds.get('scheduler', {}).get('type', 'none')}"
         f" {_sched_brief(cfg.ds)}",
         f"data: {run.args.data}  {len(run.train_data):,} train rows × {run.seq_len} tokens"

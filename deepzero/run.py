@@ -27,6 +27,7 @@ from deepzero.engines.zero import local_values
 from deepzero.errors import UserError
 from deepzero.flops import flops_per_token, peak_tflops, routed_experts
 from deepzero.lora import LoraSpec
+from deepzero.memory_savers import MemorySavers
 from deepzero.metrics import MetricsSink, redact
 from deepzero.op_builds import check_op_builds
 from deepzero.plan import check_fit, model_stats
@@ -49,6 +50,8 @@ class RunPlan:
     tokenizer: Any
     balance: moe_balance.BalanceChoice
     """MoE load balancing (--moe-balance and the model family)."""
+    savers: MemorySavers
+    """Tiled loss, offloaded checkpoints, tiled MLP (the long-sequence flags, the model and the sequence length)."""
 
 
 @dataclass
@@ -74,6 +77,8 @@ class Run:
     """Step of the checkpoint this run last wrote or resumed from (the final save is skipped when it is current)."""
     balancer: moe_balance.Balancer | None = None
     """Router hooks of a DeepSeek MoE: load counts, balance losses, the V3 bias update (None: no routers)."""
+    savers: MemorySavers | None = None
+    """The long-sequence decision (tiled loss, offloaded checkpoints, tiled MLP), for the header."""
 
     @property
     def is_main(self) -> bool:
@@ -137,7 +142,8 @@ def plan_run(args: TrainArgs, world: int) -> RunPlan:
         checkpoint.check_resumable(args.checkpoint_dir, settings.dp_size(world))
     if warning := check_fit(config, settings, cfg, seq_len, world_size=world, pretrained=not source.random_init):
         warn(warning)
-    return RunPlan(source, config, cfg, settings, lr_source, seq_len, train_data, val_data, tokenizer, balance)
+    savers = MemorySavers.choose(args, config, seq_len, pipeline=isinstance(settings, engines.PipelineSettings))
+    return RunPlan(source, config, cfg, settings, lr_source, seq_len, train_data, val_data, tokenizer, balance, savers)
 
 
 def plan_tokenizer(args: TrainArgs, meta: dict[str, Any]) -> Any:
@@ -255,6 +261,7 @@ def setup(args: TrainArgs) -> Run:
         "lr_source": plan.lr_source,
         "precision": plan.cfg.precision_choice.to_json(),
         "moe_balance": plan.balance.to_json(),
+        "memory_savers": plan.savers.to_json(),
         "env": redact(report.launch_env()),
     }
     run = Run(
@@ -274,6 +281,7 @@ def setup(args: TrainArgs) -> Run:
         world=world,
         last_saved_step=state.step if args.resume else -1,
         balancer=balancer,
+        savers=plan.savers,
     )
     if run.is_main:
         report.write_run_config(args.out_dir, run_config)
@@ -293,6 +301,7 @@ def make_model(args: TrainArgs, plan: RunPlan) -> nn.Module:
         trust_remote_code=args.trust_remote_code,
     )
     model.config.use_cache = False
+    plan.savers.apply(model)
     model.train()  # from_pretrained returns it in eval mode (dropout off, routers' training hooks idle)
     if not plan.source.random_init and plan.cfg.precision == "fp16":
         check_fp16_range(model, args.model, local_values)

@@ -61,7 +61,7 @@ class ZeroEngine(DeepSpeedBacked):
         keep_alive = modeling.zero3_context(ds_config) if stage == 3 else None
         model = build_model()
         partitioned = any(hasattr(p, "ds_id") for p in model.parameters())
-        if gradient_checkpointing:
+        if gradient_checkpointing and not model.is_gradient_checkpointing:  # (the offloaded kind is set already)
             model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
         if lora is not None:  # after the build (ZeRO-3: already partitioned), before initialize
             model = apply_lora(model, lora)

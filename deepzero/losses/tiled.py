@@ -1,0 +1,153 @@
+"""The causal-LM loss over the LM head in token tiles: the [tokens × vocab] logits are never held whole.
+
+Each tile's logits are computed, reduced to their log-sum-exp and the target's logit, and dropped; backward
+recomputes them tile by tile (one more LM-head matmul: about +1/3 of the head's FLOPs, +2–5 % of a step for the
+DeepSeek presets). Working memory is one tile's logits and their gradient instead of three [tokens × vocab] fp32
+tensors (logits, softmax, gradient). Ignored targets (-100) are dropped before the LM head, so prompt and
+padding tokens cost nothing there. The sum is divided by ``num_items_in_batch`` exactly as Transformers' own
+``ForCausalLMLoss`` does, so the token-weighted normalizer of the engines is unchanged.
+
+The loss runs inside the LM head module's own call: under ZeRO-3 its weight is gathered once per micro-batch (by
+the module's hooks, as for any Linear), not once per tile. It plugs in as the model's ``forward`` when labels are
+given (without labels, e.g. the export check, the model's own forward runs), so every engine built on the Hugging
+Face model — ZeRO-0/1/2/3, LoRA, the layer split — trains with it unchanged.
+"""
+
+from __future__ import annotations
+
+import math
+import types
+from dataclasses import asdict, dataclass
+from typing import Any
+
+import torch
+from torch import nn
+from transformers.modeling_outputs import CausalLMOutputWithPast
+
+IGNORE_INDEX = -100
+
+
+@dataclass(frozen=True)
+class TiledLoss:
+    """The loss decision recorded in the header and run_config.json: tiled or not, and how the tiles are cut."""
+
+    enabled: bool
+    tiles_per_vocab: int = 0
+    """Tiles per micro-batch target count: ceil(vocab / hidden), so a tile's logits are about the size of the
+    hidden states ([tokens × hidden]) whatever the vocabulary (Liger's rule); 0 when off."""
+
+    def describe(self) -> str:
+        if not self.enabled:
+            return "loss: untiled (the whole [tokens × vocab] logits; --tiled-loss on to tile)"
+        return f"loss: tiled over the LM head ({self.tiles_per_vocab} token tiles per micro-batch, logits never whole)"
+
+    def to_json(self) -> dict[str, Any]:
+        return asdict(self)
+
+    @classmethod
+    def choose(cls, mode: str, config: Any) -> TiledLoss:
+        """``--tiled-loss on|off`` for a model config: a vocabulary no larger than the hidden size gives one tile,
+        which saves nothing, so it stays off there."""
+        tiles = math.ceil(config.vocab_size / config.hidden_size)
+        return cls(mode == "on" and tiles > 1, tiles if mode == "on" and tiles > 1 else 0)
+
+
+class _TiledCrossEntropy(torch.autograd.Function):
+    """``sum_t CE(hidden_t @ weight.T, target_t) / normalizer`` over rows ``hidden`` [T, H] whose targets [T] are
+    all real (no -100), in tiles of ``tile`` rows; the logits are computed in the weight's dtype and upcast to fp32
+    for the softmax, as Transformers' loss does."""
+
+    @staticmethod
+    def forward(
+        ctx: Any, hidden: torch.Tensor, weight: torch.Tensor, targets: torch.Tensor, normalizer: torch.Tensor, tile: int
+    ) -> torch.Tensor:
+        total = torch.zeros((), dtype=torch.float32, device=hidden.device)
+        lse = torch.empty(hidden.shape[0], dtype=torch.float32, device=hidden.device)
+        for start in range(0, hidden.shape[0], tile):
+            rows = slice(start, start + tile)
+            logits = (hidden[rows] @ weight.t()).float()
+            lse[rows] = torch.logsumexp(logits, dim=-1)
+            total += (lse[rows] - logits.gather(1, targets[rows, None]).squeeze(1)).sum()
+        ctx.save_for_backward(hidden, weight, targets, lse, normalizer)
+        ctx.tile = tile
+        return total / normalizer
+
+    @staticmethod
+    def backward(ctx: Any, grad: torch.Tensor) -> tuple[torch.Tensor | None, ...]:
+        hidden, weight, targets, lse, normalizer = ctx.saved_tensors
+        scale = (grad / normalizer).float()
+        grad_hidden = torch.empty_like(hidden) if ctx.needs_input_grad[0] else None
+        grad_weight = torch.zeros(weight.shape, dtype=torch.float32, device=weight.device)
+        for start in range(0, hidden.shape[0], ctx.tile):
+            rows = slice(start, start + ctx.tile)
+            logits = (hidden[rows] @ weight.t()).float()
+            dlogits = torch.exp(logits - lse[rows, None])  # softmax
+            dlogits.scatter_add_(1, targets[rows, None], torch.full_like(lse[rows, None], -1.0))
+            dlogits = (dlogits * scale).to(hidden.dtype)
+            if grad_hidden is not None:
+                grad_hidden[rows] = dlogits @ weight
+            grad_weight += (dlogits.t() @ hidden[rows]).float()
+        grad_weight = grad_weight.to(weight.dtype) if ctx.needs_input_grad[1] else None
+        return grad_hidden, grad_weight, None, None, None
+
+
+def tiled_cross_entropy(
+    hidden: torch.Tensor, weight: torch.Tensor, targets: torch.Tensor, normalizer: torch.Tensor, tiles: int
+) -> torch.Tensor:
+    """The summed cross-entropy of ``hidden`` [..., H] against ``targets`` [...] (-100 ignored) over the LM head
+    ``weight`` [V, H], divided by ``normalizer``; in ``tiles`` tiles of the real targets."""
+    flat, goal = hidden.reshape(-1, hidden.shape[-1]), targets.reshape(-1).to(hidden.device)
+    keep = (goal != IGNORE_INDEX).nonzero().squeeze(1)  # one host sync: the tile sizes need the count
+    rows, goal = flat.index_select(0, keep), goal.index_select(0, keep)
+    tile = max(1, math.ceil(rows.shape[0] / tiles))
+    return _TiledCrossEntropy.apply(rows, weight, goal, normalizer.to(hidden.device, torch.float32), tile)
+
+
+def _head_forward(
+    self: nn.Linear,
+    hidden: torch.Tensor,
+    targets: torch.Tensor | None = None,
+    normalizer: torch.Tensor | None = None,
+    tiles: int = 1,
+) -> torch.Tensor:
+    """The LM head's forward: its logits, or with ``targets`` the tiled loss (inside the module's call, so that
+    ZeRO-3 gathers the weight once for all tiles)."""
+    if targets is None:
+        return nn.functional.linear(hidden, self.weight, self.bias)
+    return tiled_cross_entropy(hidden, self.weight, targets, normalizer, tiles)
+
+
+def _tiled_forward(
+    self: nn.Module,
+    *args: Any,
+    labels: torch.Tensor | None = None,
+    shift_labels: torch.Tensor | None = None,
+    num_items_in_batch: Any = None,
+    **kwargs: Any,
+) -> Any:
+    """The causal LM's forward with the tiled loss when labels are given; its own forward otherwise."""
+    if labels is None and shift_labels is None:
+        return self._untiled_forward(*args, **kwargs)
+    kwargs.pop("logits_to_keep", None)
+    outputs = self.get_decoder()(*args, **kwargs)
+    if shift_labels is None:
+        shift_labels = nn.functional.pad(labels, (0, 1), value=IGNORE_INDEX)[..., 1:]
+    if num_items_in_batch is None:
+        num_items_in_batch = (shift_labels != IGNORE_INDEX).sum()
+    normalizer = torch.as_tensor(num_items_in_batch, dtype=torch.float32)
+    loss = self.get_output_embeddings()(outputs.last_hidden_state, shift_labels, normalizer, self._loss_tiles)
+    return CausalLMOutputWithPast(loss=loss, logits=None)
+
+
+def install_tiled_loss(model: nn.Module, choice: TiledLoss) -> nn.Module:
+    """Make ``model`` (a Hugging Face causal LM) compute its loss over the LM head in tiles; returns it."""
+    if not choice.enabled:
+        return model
+    head = model.get_output_embeddings()
+    if not isinstance(head, nn.Linear) or head.bias is not None:
+        raise TypeError(f"tiled loss needs a bias-free nn.Linear LM head, got {type(head).__name__}")
+    head.forward = types.MethodType(_head_forward, head)
+    model._untiled_forward = model.forward
+    model._loss_tiles = choice.tiles_per_vocab
+    model.forward = types.MethodType(_tiled_forward, model)
+    return model

@@ -1,0 +1,114 @@
+"""What keeps a long sequence off the card, decided once while the run is planned and applied to the model
+before an engine wraps it: the tiled LM loss (``deepzero.losses.tiled``), the checkpointed hidden states kept in
+host memory, and the MLPs run in sequence tiles (DeepSpeed's ``TiledMLP`` from Arctic Long Sequence Training).
+
+Each is exact (the same loss and gradients, tested in fp32) and trades time for memory: the tiled loss recomputes
+the LM head's logits in backward, the offload copies each layer's input to the host and back, the tiled MLP
+runs its forward once more in backward.
+"""
+
+from __future__ import annotations
+
+import math
+import types
+from dataclasses import dataclass
+from functools import partial
+from typing import Any
+
+import torch
+from deepspeed.runtime.sequence_parallel.ulysses_sp import TiledMLP
+from torch import nn
+from torch.utils.checkpoint import checkpoint
+
+from deepzero.errors import UserError
+from deepzero.losses import TiledLoss, install_tiled_loss
+
+
+@dataclass(frozen=True)
+class MemorySavers:
+    """The long-sequence decision of a run, recorded in the header and run_config.json."""
+
+    loss: TiledLoss
+    offload_checkpoints: bool = False
+    """Checkpointed layer inputs live in host memory (torch's ``save_on_cpu`` around each checkpointed layer)."""
+    mlp_tiles: int = 0
+    """Sequence tiles each dense MLP (and shared expert) runs in: ceil(seq_len / hidden), DeepSpeed's rule; 0 off."""
+
+    @classmethod
+    def choose(cls, args: Any, config: Any, seq_len: int, pipeline: bool) -> MemorySavers:
+        """From the flags, the model config and the sequence length; the pipeline's last stage computes its own
+        loss, so the tiled loss applies to the engines that run the Hugging Face model's forward."""
+        if args.activation_offload and not args.gradient_checkpointing:
+            raise UserError(
+                "--activation-offload",
+                "offloads the hidden states that activation checkpointing keeps; checkpointing is off",
+                "add --gradient-checkpointing",
+            )
+        if args.activation_offload and (pipeline or args.device_map):
+            raise UserError(
+                "--activation-offload", "works with the ZeRO engines only", "use a ZeRO preset without --device-map"
+            )
+        loss = TiledLoss.choose("off" if pipeline else args.tiled_loss, config)
+        auto = {"on": math.ceil(seq_len / config.hidden_size), "off": 0}
+        tiles = auto[args.tiled_mlp] if args.tiled_mlp in auto else int(args.tiled_mlp)
+        return cls(loss, args.activation_offload, tiles if tiles > 1 else 0)
+
+    def describe(self) -> str:
+        """One header line."""
+        parts = [self.loss.describe()]
+        if self.offload_checkpoints:
+            parts.append("checkpointed hidden states in host memory")
+        parts.append(f"MLP in {self.mlp_tiles} sequence tiles" if self.mlp_tiles else "MLP untiled")
+        return "; ".join(parts)
+
+    def to_json(self) -> dict[str, Any]:
+        return {
+            "loss": self.loss.to_json(),
+            "offload_checkpoints": self.offload_checkpoints,
+            "mlp_tiles": self.mlp_tiles,
+        }
+
+    def apply(self, model: nn.Module) -> nn.Module:
+        """Install the chosen savers on a Hugging Face causal LM (before LoRA and the engine)."""
+        install_tiled_loss(model, self.loss)
+        if self.mlp_tiles:
+            tile_mlps(model, self.mlp_tiles)
+        if self.offload_checkpoints:
+            enable_offloaded_checkpointing(model)
+        return model
+
+
+def offloaded_checkpoint(function: Any, *args: Any, **kwargs: Any) -> Any:
+    """torch's non-reentrant checkpoint whose saved inputs (the layer's hidden states) go to host memory, pinned
+    on a GPU. Transformers' own ``offload=True`` pins unconditionally, which a CPU-only torch refuses."""
+    with torch.autograd.graph.save_on_cpu(pin_memory=torch.cuda.is_available()):
+        return checkpoint(function, *args, use_reentrant=False, **kwargs)
+
+
+def enable_offloaded_checkpointing(model: nn.Module) -> None:
+    """Activation checkpointing on every decoder layer, with the checkpointed inputs offloaded."""
+    model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+    for module in model.modules():
+        if hasattr(module, "gradient_checkpointing"):
+            module._gradient_checkpointing_func = offloaded_checkpoint
+
+
+def is_mlp(module: nn.Module) -> bool:
+    """A dense gated MLP of the supported families (Llama, Qwen2, DeepSeek-V2/V3 dense layers and shared
+    experts): the routed experts are not tiled (their tokens are already split by the router)."""
+    return type(module).__name__.endswith("MLP") and all(hasattr(module, n) for n in ("gate_proj", "down_proj"))
+
+
+def _tiled_forward(self: nn.Module, x: torch.Tensor) -> torch.Tensor:
+    params = [p for p in self.parameters() if p.requires_grad]
+    return TiledMLP.apply(partial(type(self).forward), self, x, self._mlp_tiles, params)
+
+
+def tile_mlps(model: nn.Module, tiles: int) -> int:
+    """Run every dense MLP of ``model`` in ``tiles`` sequence tiles (forward recomputed tile by tile in backward);
+    returns how many MLPs were tiled."""
+    mlps = [m for m in model.modules() if is_mlp(m)]
+    for mlp in mlps:
+        mlp._mlp_tiles = tiles
+        mlp.forward = types.MethodType(_tiled_forward, mlp)
+    return len(mlps)

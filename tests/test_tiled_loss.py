@@ -1,0 +1,121 @@
+"""The tiled LM loss (issue 23): loss and every parameter's gradient equal the untiled computation (fp32), for
+Llama, Qwen2, DeepSeek-V2 and V3, on packed documents with chat-style masks and on a micro-batch without targets;
+through the model (what the ZeRO engines run), LoRA and the layer split. The ZeRO-3 path (weight gathered by the
+LM head's own hooks) runs through train.py in test_train_e2e-style launches (tests/test_long_sequences.py)."""
+
+from __future__ import annotations
+
+import copy
+from typing import Any
+
+import pytest
+import torch
+from test_pipeline import tiny_models
+from transformers import AutoModelForCausalLM
+
+from deepzero.engines.base import lm_loss, loss_normalizer
+from deepzero.engines.layer_split import LayerSplitEngine, place_model
+from deepzero.lora import LoraSpec, apply_lora
+from deepzero.losses import TiledLoss, install_tiled_loss
+
+REL = 1e-5
+
+
+def batches(vocab: int, seed: int = 0) -> list[dict[str, torch.Tensor]]:
+    """Two micro-batches: packed documents (positions restart) whose first tokens are prompt (-100) as in chat
+    rows, and one micro-batch with no target at all."""
+    gen = torch.Generator().manual_seed(seed)
+    ids = torch.randint(0, vocab, (2, 40), generator=gen)
+    positions = torch.cat([torch.arange(15), torch.arange(25)]).repeat(2, 1)
+    labels = torch.randint(0, vocab, (2, 40), generator=gen)
+    labels[:, :6] = -100  # a prompt
+    labels[:, 14] = -100  # no target across the document end
+    labels[:, 15:20] = -100  # the second conversation's prompt
+    labels[1, 30:] = -100
+    none = {"input_ids": ids[:1], "labels": torch.full((1, 40), -100), "position_ids": positions[:1]}
+    none["shift_labels"] = none["labels"]
+    return [{"input_ids": ids, "labels": labels, "shift_labels": labels, "position_ids": positions}, none]
+
+
+def loss_and_grads(model: Any, micro: list[dict[str, torch.Tensor]]) -> tuple[float, dict[str, torch.Tensor]]:
+    getattr(model, "model", model).zero_grad(set_to_none=True)
+    normalizer = loss_normalizer(micro, dp_size=1)
+    total = 0.0
+    for batch in micro:
+        loss = lm_loss(model, batch, normalizer)
+        loss.backward()
+        total += loss.item()
+    named = model.named_parameters() if isinstance(model, torch.nn.Module) else []
+    grads = {n: p.grad.clone() for n, p in named if p.grad is not None}
+    return total, grads
+
+
+def assert_same(ref: tuple[float, dict], got: tuple[float, dict]) -> None:
+    assert got[0] == pytest.approx(ref[0], rel=REL)
+    assert sorted(got[1]) == sorted(ref[1])
+    for name, grad in ref[1].items():
+        scale = grad.abs().max().clamp(min=1e-12)
+        assert (got[1][name] - grad).abs().max() <= REL * scale + 1e-9, name
+
+
+def tiny(family: str) -> Any:
+    torch.manual_seed(0)
+    return AutoModelForCausalLM.from_config(tiny_models()[family], dtype=torch.float32).train()
+
+
+@pytest.mark.parametrize("family", list(tiny_models()))
+def test_tiled_loss_and_gradients_equal_the_untiled_model(family: str) -> None:
+    plain = tiny(family)
+    tiled = install_tiled_loss(copy.deepcopy(plain), TiledLoss(True, 7))
+    micro = batches(plain.config.vocab_size)
+    ref, got = loss_and_grads(plain, micro), loss_and_grads(tiled, micro)
+    assert ref[0] > 0
+    assert_same(ref, got)
+    assert tiled(**micro[0], use_cache=False).logits is None  # the tiled path ran: no logits were made
+
+
+def test_the_layer_split_trains_with_the_tiled_loss() -> None:
+    plain = tiny("deepseek_v3")
+    tiled = install_tiled_loss(copy.deepcopy(plain), TiledLoss(True, 6))
+    ds = {"gradient_accumulation_steps": 1, "optimizer": {"type": "AdamW", "params": {"lr": 1e-3}}}
+    engine = LayerSplitEngine(tiled, place_model(tiled, ["cpu", "cpu"], seq_len=40, micro_batch=2), ds)
+    micro = batches(128)
+    got = loss_and_grads(engine, micro)
+    assert_same(loss_and_grads(plain, micro), (got[0], {n: p.grad for n, p in tiled.named_parameters()}))
+
+
+def test_a_micro_batch_without_targets_adds_zero_loss_and_no_gradient() -> None:
+    model = install_tiled_loss(tiny("llama"), TiledLoss(True, 3))
+    empty = batches(128)[1]
+    loss, grads = loss_and_grads(model, [empty])
+    assert loss == 0.0
+    assert all(float(g.abs().max()) == 0.0 for g in grads.values())
+
+
+def test_without_labels_the_model_returns_its_logits() -> None:
+    plain = tiny("deepseek_v3").eval()
+    tiled = install_tiled_loss(copy.deepcopy(plain), TiledLoss(True, 5))
+    ids = torch.randint(0, 128, (1, 12))
+    with torch.no_grad():
+        assert torch.equal(tiled(input_ids=ids).logits, plain(input_ids=ids).logits)
+
+
+def test_lora_gradients_equal_the_untiled_lora_model() -> None:
+    spec = LoraSpec.parse("r=4,alpha=8,targets=attn,mlp")
+    plain = apply_lora(tiny("deepseek_v2"), spec)
+    torch.manual_seed(1)
+    for p in plain.parameters():  # LoRA's B starts at zero: move it so that A's gradient is not zero too
+        if p.requires_grad:
+            p.data.normal_(0, 0.02)
+    tiled = copy.deepcopy(plain)
+    install_tiled_loss(tiled.get_base_model(), TiledLoss(True, 4))
+    micro = batches(128)
+    assert_same(loss_and_grads(plain, micro), loss_and_grads(tiled, micro))
+
+
+def test_the_choice_follows_vocab_over_hidden() -> None:
+    config = tiny_models()["llama"]  # vocab 128, hidden 64
+    assert TiledLoss.choose("on", config) == TiledLoss(True, 2)
+    assert not TiledLoss.choose("off", config).enabled
+    config.vocab_size = 64
+    assert not TiledLoss.choose("on", config).enabled  # one tile saves nothing
