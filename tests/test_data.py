@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import itertools
 import json
+import re
 import shutil
 import subprocess
 import sys
@@ -568,3 +569,29 @@ def test_the_vocabulary_check_costs_microseconds_per_row(text_data: Path) -> Non
     timings["check"] = (time.perf_counter() - start) / len(rows)
     print({k: f"{v * 1e6:.1f} us/row" for k, v in timings.items()})
     assert timings["check"] < 50e-6  # µs beside a training step of the tiny model (~100 ms here)
+
+
+@pytest.mark.launcher
+def test_train_py_stops_every_rank_at_a_row_past_the_vocabulary(tiny_data: Path, tmp_path: Path) -> None:
+    """2 ranks through train.py; step 2's micro-batch 2 of rank 1 holds id 600 (vocab 512): every rank prints the
+    same one line naming the shard and row, exit code 2, no traceback, before the embedding sees the row."""
+    from conftest import cpu_env, launch
+
+    n_rows = load_meta(tiny_data)["n_rows"]["train"]
+    row = GlobalBatchSampler(n_rows, 2, 2, 0, 2, seed=0).global_batch_indices(1)[(1 * 2 + 1) * 2]
+    bad = _corrupt(tiny_data, tmp_path / "data", row=row, column=9, value=600)
+    args = ["--deepspeed_config", "ds_configs/zero2.json", "--data", str(bad), "--out", str(tmp_path / "run")]
+    args += ["--max-steps", "3", "--micro-batch", "2", "--grad-accum", "2", "--log-interval", "1"]
+    args += ["--eval-interval", "0", "--save-interval", "0", "--no-export"]
+    proc = launch(args, nproc=2, env=cpu_env(HF_HUB_OFFLINE="1"), check=False)
+    line = (
+        f"error: {bad / 'train-00000.bin'}: row {row} (train row {row}) holds token id 600 at column 9, past the"
+        " model's vocabulary of 512 ids. Fix: re-run data/prepare.py with the tokenizer of --model (a prepared"
+        " shard that changed is corrupted)"
+    )
+    assert proc.returncode == 2, proc.stderr[-3000:]
+    lines = re.sub(r"(?=\[rank \d\] )|(?<!\] )(?=error: )", "\n", proc.stderr).splitlines()  # ranks interleave
+    assert sorted(x for x in lines if "error: " in x) == sorted([line, f"[rank 1] {line}"]), proc.stderr[-3000:]
+    assert "Traceback" not in proc.stderr and "IndexError" not in proc.stderr
+    assert [r["step"] for r in map(json.loads, (tmp_path / "run" / "metrics.jsonl").read_text().splitlines())
+            if r["kind"] == "train"] == [1]  # fmt: skip
