@@ -1,13 +1,16 @@
 """The precision decision (issue 11): the preset's 16-bit type against what the device computes natively.
 
 Both answers run on every machine: in-process with made-up kernels, and through the real launcher with the
-CPU faked by tests/fake_cpu/sitecustomize.py (a CPU without native 16-bit kernels can be faked anywhere, since
-the fallback, fp32, runs everywhere).
+CPU faked by tests/fake_cpu/sitecustomize.py. Either way round: a CPU without native 16-bit kernels trains in
+fp32, which runs everywhere, and a faked fp16 is faked for DeepSpeed too, so it trains in fp16 (torch computes
+fp16 on any CPU, slowly; test_reliability's overflow test runs that way).
 """
 
 from __future__ import annotations
 
 import json
+import subprocess
+import sys
 from pathlib import Path
 
 import pytest
@@ -109,6 +112,22 @@ def test_this_machines_cpu_is_probed_consistently_with_deepspeed() -> None:
     kernels = precision.probe_cpu()
     assert kernels.fp16 == bool(CPU_Accelerator().is_fp16_supported())
     assert kernels.name and kernels.detail and kernels.device == "cpu"
+
+
+@pytest.mark.parametrize("kernels", ["", "fp16,bf16"])
+def test_the_faked_cpu_is_faked_for_deepspeed_too(kernels: str) -> None:
+    """tests/fake_cpu makes DeepSpeed's CPU accelerator agree with the faked probe on fp16 (so a faked fp16 run
+    trains in fp16, and a faked no-fp16 CPU is refused fp16 by DeepSpeed too), on any real CPU."""
+    script = (
+        "from deepspeed.accelerator.cpu_accelerator import CPU_Accelerator; from deepzero import precision;"
+        "import torch; a = CPU_Accelerator(); k = precision.probe_cpu();"
+        "print(k.fp16, k.bf16, a.is_fp16_supported(), torch.float16 in a.supported_dtypes())"
+    )
+    proc = subprocess.run(
+        [sys.executable, "-c", script], env=cpu_env(**fake_cpu_vars(kernels)), capture_output=True, text=True
+    )
+    fp16, bf16 = "fp16" in kernels, "bf16" in kernels
+    assert proc.stdout.split() == [str(fp16), str(bf16), str(fp16), str(fp16)], proc.stderr[-2000:]
 
 
 def test_logit_tolerance_follows_the_dtype_and_the_magnitude() -> None:
