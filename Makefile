@@ -12,7 +12,7 @@ OUT       ?= runs/default
 TRAIN_ARGS ?=
 PYTEST_ARGS ?=
 
-.PHONY: setup data train sft test lint plan doctor plot bench bench-gpu clean
+.PHONY: setup data train sft sft-long test lint plan doctor plot bench bench-gpu clean
 
 setup: $(VENV)/.installed
 
@@ -45,6 +45,22 @@ sft: setup
 		--seq-len $(SEQ_LEN) --val-fraction 0.05 --out $(SFT_DATA)
 	PATH="$(CURDIR)/$(BIN):$$PATH" deepspeed --num_gpus=$(NUM_GPUS) train.py \
 		--deepspeed_config $(DS_CONFIG) --data $(SFT_DATA) --out $(SFT_OUT) $(SFT_ARGS)
+
+# Long-sequence chat SFT (docs/sft.md): R1-style <think> traces made from the stdlib's source (0.5k-14k tokens each),
+# DeepSeek's tokenizer (129,280 ids), 4,096-token rows, trained with the long-sequence defaults (tiled loss) plus
+# activation checkpointing. SFT_LONG_ARGS="--tiled-loss off" (and no checkpointing) is the comparison run.
+SFT_LONG_DATA ?= artifacts/data/sft_long_example
+SFT_LONG_SEQ  ?= 4096
+SFT_LONG_OUT  ?= runs/sft-long
+SFT_LONG_ARGS ?= --gradient-checkpointing --max-steps 12 --warmup-steps 2 --micro-batch 1 --grad-accum 1 \
+	--log-interval 2 --eval-interval 6 --eval-batches 1 --save-interval 0
+sft-long: setup
+	$(BIN)/python data/sft_long_example.py --out $(SFT_LONG_DATA).jsonl
+	$(BIN)/python data/tokenizer.py deepseek --out artifacts/tokenizers/deepseek
+	$(BIN)/python data/prepare.py --input $(SFT_LONG_DATA).jsonl --format chat --tokenizer artifacts/tokenizers/deepseek \
+		--seq-len $(SFT_LONG_SEQ) --val-fraction 0.1 --out $(SFT_LONG_DATA)
+	PATH="$(CURDIR)/$(BIN):$$PATH" deepspeed --num_gpus=$(NUM_GPUS) train.py \
+		--deepspeed_config $(DS_CONFIG) --data $(SFT_LONG_DATA) --out $(SFT_LONG_OUT) $(SFT_LONG_ARGS)
 
 test: setup
 	$(BIN)/python -m pytest $(PYTEST_ARGS) tests; rc=$$?; \

@@ -4,6 +4,7 @@
 #   2. training MFU of a DeepSeek-Coder-1.3B-architecture dense model, ZeRO-2 bf16, 1 GPU, random init,
 #   3. training MFU of a DeepSeek-V2-Lite-shaped MoE cut to 8 layers (4.6B total / 1.1B active), same setup,
 #   4. the MoE experts implementations (eager / grouped_mm; batched_mm is skipped at training sizes),
+#   5. the longest sequence R1-Distill-Qwen-1.5B's architecture trains at on the card capped at 24 GiB (bench.long_context),
 # then merges everything into RESULTS_DIR/gpu.json and RESULTS_DIR/gpu.md.
 #
 #   bench/gpu.sh [RESULTS_DIR]          # default bench/results; per-step parts go to RESULTS_DIR/gpu/
@@ -37,6 +38,9 @@ step() {  # step LIMIT_SECONDS ARGS... : one python -m run with a hard time limi
 step 60 bench.gpu_bench matmul --out "$PARTS"
 step 150 bench.gpu_bench train --case dense-1.3b --out "$PARTS"
 step 150 bench.gpu_bench train --case moe-v2-lite-8l --out "$PARTS"
+# 5. long sequences: the longest R1-Distill-Qwen-1.5B-architecture sequence (random init, bf16, all 28 layers, the
+#    long-sequence savers on) that trains on this card capped at 24 GiB (a 4090's memory), beside the planner's bytes.
+step 150 bench.long_context gpu-longest --model deepseek-r1-distill-qwen-1.5b --layers 28 --vocab 151936 --cap-gib 24 --out "$PARTS"
 step 60 bench.experts_impl --sizes v2-lite-2l --seq-len 2048 --micro-batch 2 --iters 5 --tag gpu --results "$PARTS"
 "$PY" -m bench.gpu_bench report --out "$PARTS" --results "$RESULTS"
 echo "bench/gpu.sh: done in $((SECONDS - start)) s; results in $RESULTS/gpu.md"

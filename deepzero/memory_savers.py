@@ -35,9 +35,12 @@ class MemorySavers:
     """Sequence tiles each dense MLP (and shared expert) runs in: ceil(seq_len / hidden), DeepSpeed's rule; 0 off."""
 
     @classmethod
-    def choose(cls, args: Any, config: Any, seq_len: int, pipeline: bool) -> MemorySavers:
-        """From the flags, the model config and the sequence length; the pipeline's last stage computes its own
-        loss, so the tiled loss applies to the engines that run the Hugging Face model's forward."""
+    def choose(
+        cls, args: Any, config: Any, seq_len: int, pipeline: bool, vocab_size: int | None = None
+    ) -> MemorySavers:
+        """From the flags, the model config, the sequence length and the vocabulary the model is built with
+        (default the config's). Every engine tiles the loss: the ZeRO engines and the layer split through the
+        model's forward, the pipeline in its last stage's loss (``engines.pipeline.TokenMeanLoss``)."""
         if args.activation_offload and not args.gradient_checkpointing:
             raise UserError(
                 "--activation-offload",
@@ -48,7 +51,7 @@ class MemorySavers:
             raise UserError(
                 "--activation-offload", "works with the ZeRO engines only", "use a ZeRO preset without --device-map"
             )
-        loss = TiledLoss.choose("off" if pipeline else args.tiled_loss, config)
+        loss = TiledLoss.choose(args.tiled_loss, vocab_size or config.vocab_size, config.hidden_size)
         auto = {"on": math.ceil(seq_len / config.hidden_size), "off": 0}
         tiles = auto[args.tiled_mlp] if args.tiled_mlp in auto else int(args.tiled_mlp)
         return cls(loss, args.activation_offload, tiles if tiles > 1 else 0)

@@ -15,6 +15,7 @@ from transformers import AutoModelForCausalLM
 
 from deepzero.engines.base import lm_loss, loss_normalizer
 from deepzero.engines.layer_split import LayerSplitEngine, place_model
+from deepzero.engines.pipeline import TokenMeanLoss, sequential_forward, to_pipeline_layers
 from deepzero.lora import LoraSpec, apply_lora
 from deepzero.losses import TiledLoss, install_tiled_loss
 
@@ -114,8 +115,32 @@ def test_lora_gradients_equal_the_untiled_lora_model() -> None:
 
 
 def test_the_choice_follows_vocab_over_hidden() -> None:
-    config = tiny_models()["llama"]  # vocab 128, hidden 64
-    assert TiledLoss.choose("on", config) == TiledLoss(True, 2)
-    assert not TiledLoss.choose("off", config).enabled
-    config.vocab_size = 64
-    assert not TiledLoss.choose("on", config).enabled  # one tile saves nothing
+    assert TiledLoss.choose("on", 128, 64) == TiledLoss(True, 2)
+    assert not TiledLoss.choose("off", 128, 64).enabled
+    assert not TiledLoss.choose("on", 64, 64).enabled  # one tile saves nothing
+
+
+@pytest.mark.parametrize("family", ["deepseek_v3", "qwen2_sliding"])
+def test_the_pipeline_last_stage_tiles_the_loss(family: str) -> None:
+    """The stages of a tiled model end in the hidden states; the pipeline's loss runs the LM head over them in
+    tiles and gives the untiled stages' loss and gradients (and their logits for the export check)."""
+    plain = tiny(family)
+    tiled = install_tiled_loss(copy.deepcopy(plain), TiledLoss(True, 3))
+    batch = batches(128)[0]
+    normalizer = loss_normalizer([batch], dp_size=1)
+    results = []
+    for model in (plain, tiled):
+        model.zero_grad(set_to_none=True)
+        layers = to_pipeline_layers(model)
+        output = sequential_forward(layers, batch["input_ids"], batch["position_ids"])
+        loss_fn = TokenMeanLoss(layers[-1])
+        loss_fn.normalizer = normalizer
+        loss = loss_fn(output, batch["shift_labels"])
+        loss.backward()
+        results.append((loss.item(), {n: p.grad.clone() for n, p in model.named_parameters() if p.grad is not None}))
+        last = output
+    assert last.shape[-1] == plain.config.hidden_size  # the tiled stages never made logits
+    assert_same(*results)
+    with torch.no_grad():
+        expected = plain(input_ids=batch["input_ids"], position_ids=batch["position_ids"], use_cache=False).logits
+        assert torch.allclose(layers[-1].logits(last), expected, atol=1e-5)

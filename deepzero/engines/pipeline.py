@@ -43,6 +43,7 @@ from deepzero.dsconfig import BatchMath
 from deepzero.engines.base import Batch, DeepSpeedBacked, ModelFactory, draw, loss_normalizer
 from deepzero.errors import UserError
 from deepzero.export import ExportReport, attn_implementation_of, publish_and_compare
+from deepzero.losses import tiled_cross_entropy
 
 PARTITION_METHODS = ("parameters", "uniform")
 
@@ -177,26 +178,41 @@ class DecoderStage(nn.Module):
 
 
 class HeadStage(nn.Module):
-    """Last stage: final norm and LM head → logits ``[B, S, V]``."""
+    """Last stage: final norm and LM head → logits ``[B, S, V]``; with the tiled loss (``tiles`` > 0) only the final
+    norm → hidden states ``[B, S, H]``, and ``TokenMeanLoss`` runs the LM head over them in tiles."""
 
-    def __init__(self, norm: nn.Module, lm_head: nn.Module) -> None:
+    def __init__(self, norm: nn.Module, lm_head: nn.Module, tiles: int = 0) -> None:
         super().__init__()
         self.norm = norm
         self.lm_head = lm_head
+        self.tiles = tiles
 
     def forward(self, inputs: tuple[torch.Tensor, torch.Tensor]) -> torch.Tensor:
-        return self.lm_head(self.norm(inputs[0]))
+        hidden = self.norm(inputs[0])
+        return hidden if self.tiles else self.lm_head(hidden)
+
+    def logits(self, output: torch.Tensor) -> torch.Tensor:
+        """The logits of this stage's ``output`` (the hidden states under the tiled loss)."""
+        return nn.functional.linear(output, self.lm_head.weight, self.lm_head.bias) if self.tiles else output
 
 
 class TokenMeanLoss:
     """The pipeline's loss: summed cross-entropy over non-ignored targets divided by ``normalizer`` (the mean over
-    the micro-batch's targets while it is None). ``labels`` are already shifted (HF's ``shift_labels`` path)."""
+    the micro-batch's targets while it is None). ``labels`` are already shifted (HF's ``shift_labels`` path). With a
+    tiled ``head`` the last stage's output is the hidden states and the loss is ``losses.tiled_cross_entropy``
+    over the head's weight (the [tokens × vocab] logits are never whole)."""
 
-    def __init__(self) -> None:
+    def __init__(self, head: HeadStage | None = None) -> None:
         self.normalizer: torch.Tensor | None = None
+        self.head = head if head is not None and head.tiles else None
 
-    def __call__(self, logits: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
-        flat_logits, flat_labels = logits.float().reshape(-1, logits.shape[-1]), labels.reshape(-1).to(logits.device)
+    def __call__(self, output: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
+        labels = labels.to(output.device)
+        if self.head is not None:
+            count = (labels != IGNORE_INDEX).sum().float().clamp(min=1)
+            normalizer = count if self.normalizer is None else self.normalizer
+            return tiled_cross_entropy(output, self.head.lm_head.weight, labels, normalizer, self.head.tiles)
+        flat_logits, flat_labels = output.float().reshape(-1, output.shape[-1]), labels.reshape(-1)
         if self.normalizer is None:
             return F.cross_entropy(flat_logits, flat_labels, ignore_index=IGNORE_INDEX)
         summed = F.cross_entropy(flat_logits, flat_labels, ignore_index=IGNORE_INDEX, reduction="sum")
@@ -228,7 +244,8 @@ def to_pipeline_layers(model: nn.Module) -> list[nn.Module]:
     types += ["full_attention"] * (len(base.layers) - len(types))
     masks = StageMasks(config)  # one per model: in a pipeline, each rank's copy serves its own layers
     decoders = [DecoderStage(layer, base.rotary_emb, masks, types[i]) for i, layer in enumerate(base.layers)]
-    return [EmbeddingStage(base.embed_tokens), *decoders, HeadStage(base.norm, model.lm_head)]
+    head = HeadStage(base.norm, model.lm_head, getattr(model, "_loss_tiles", 0))  # losses.install_tiled_loss's
+    return [EmbeddingStage(base.embed_tokens), *decoders, head]
 
 
 def build_name_map(model: nn.Module, layers: list[nn.Module]) -> dict[str, str]:
@@ -277,7 +294,7 @@ def build_pipeline_engine(
     module = PipelineModule(
         layers=layers,
         num_stages=num_stages,
-        loss_fn=TokenMeanLoss(),
+        loss_fn=TokenMeanLoss(layers[-1]),
         partition_method=partition_method,
         activation_checkpoint_interval=activation_checkpoint_interval,
         checkpointable_layers=["DecoderStage"],
@@ -352,6 +369,8 @@ def pipeline_logits(engine: Any, batch: Batch) -> tuple[float, torch.Tensor]:
     items = pipeline_batches([batch])
     loss, logits = engine.eval_batch(items, return_logits=True, num_micro_batches=1)
     engine.reset_activation_shape()
+    head = engine.module.loss_fn.head
+    logits = head.logits(logits) if engine.is_last_stage() and head is not None else logits
     box = [logits.float().cpu() if engine.is_last_stage() else None]
     dist.broadcast_object_list(box, src=engine.grid.stage_to_global(engine.num_stages - 1))
     return float(loss), box[0]

@@ -45,11 +45,11 @@ class TiledLoss:
         return asdict(self)
 
     @classmethod
-    def choose(cls, mode: str, config: Any) -> TiledLoss:
-        """``--tiled-loss on|off`` for a model config: a vocabulary no larger than the hidden size gives one tile,
-        which saves nothing, so it stays off there."""
-        tiles = math.ceil(config.vocab_size / config.hidden_size)
-        return cls(mode == "on" and tiles > 1, tiles if mode == "on" and tiles > 1 else 0)
+    def choose(cls, mode: str, vocab_size: int, hidden_size: int) -> TiledLoss:
+        """``--tiled-loss on|off`` for a model's vocabulary and hidden size: a vocabulary no larger than the hidden
+        size gives one tile, which saves nothing, so it stays off there."""
+        tiles = math.ceil(vocab_size / hidden_size)
+        return cls(True, tiles) if mode == "on" and tiles > 1 else cls(False)
 
 
 class _TiledCrossEntropy(torch.autograd.Function):
