@@ -3,11 +3,14 @@
     deepspeed --num_gpus=3 --module bench.bare_loop --deepspeed_config ds_configs/zero2.json \\
         --data artifacts/data/stdlib --out /tmp/bare --max-steps 25 --log-interval 5
 
-No logging, no metrics, no checkpointing, no progress bar: only the data loader, forward, backward and step. It
-records the host time at the end of every optimizer step, in memory, and writes them at the end to
-``<out>/metrics.jsonl`` as ``{"kind": "train", "step": s, "time": t}`` lines every ``--log-interval`` steps, the
-same shape as train.py's records, so bench/compare_loops.py measures both the same way. Also home of
-:func:`build`, which the HF Trainer loop shares so that all loops train exactly the same model on the same data.
+No logging, no metrics, no checkpointing, no progress bar: only the data loader, forward, backward and step, with
+train.py's loss: each step's micro-batches are drawn first and their target tokens all-reduced (one scalar, on the
+device), and each micro-batch's summed cross-entropy is divided by that global count × accumulation × ranks through
+Transformers' ``num_items_in_batch`` (the token-weighted mean that train.py and HF Trainer also compute). It records
+the host time at the end of every optimizer step, in memory, and writes them at the end to ``<out>/metrics.jsonl``
+as ``{"kind": "train", "step": s, "time": t}`` lines every ``--log-interval`` steps, the same shape as train.py's
+records, so bench/compare_loops.py measures both the same way. Also home of :func:`build`, which the HF Trainer loop
+shares so that all loops train exactly the same model on the same data.
 """
 
 from __future__ import annotations
@@ -22,7 +25,7 @@ from typing import Any
 import torch
 
 from deepzero import dsconfig, modeling
-from deepzero.data import GlobalBatchSampler, PackedDataset, load_meta
+from deepzero.data import IGNORE_INDEX, GlobalBatchSampler, PackedDataset, load_meta
 from deepzero.distributed import exit_process, release_shm_buffers
 
 
@@ -127,9 +130,12 @@ def main(argv: list[str] | None = None) -> None:
     batches = iter(loader)
     step_ends: list[float] = []
     for _ in range(args.max_steps):
-        for _ in range(b.accum):
-            batch = {k: v.to(device, non_blocking=True) for k, v in next(batches).items()}
-            loss = engine(**batch).loss
+        micro = [{k: v.to(device, non_blocking=True) for k, v in next(batches).items()} for _ in range(b.accum)]
+        targets = sum((m["labels"] != IGNORE_INDEX).sum() for m in micro).float()
+        dist.all_reduce(targets)  # the global batch's target count: the loss is the mean over all its tokens
+        normalizer = targets.clamp(min=1) / (b.accum * world)
+        for batch in micro:
+            loss = engine(**batch, num_items_in_batch=normalizer, use_cache=False).loss
             engine.backward(loss)
             engine.step()
         step_ends.append(time.time())

@@ -1,19 +1,30 @@
-"""train.py vs a bare ``deepspeed.initialize`` loop vs HF Trainer: same model, data, ds_config and global batch.
+"""train.py vs a bare ``deepspeed.initialize`` loop vs HF Trainer, doing the same work, plus what balancing and the
+tiled loss cost train.py on their own.
 
-    python -m bench.compare_loops                          # 3 repetitions × 3 loops, interleaved, 3 ranks each
+    python -m bench.compare_loops                          # 3 repetitions of every variant, interleaved, 3 ranks
     python -m bench.compare_loops --reps 5 --steps 30 --deepspeed-config ds_configs/zero2_bf16.json
 
-Every loop is started by the real launcher (``deepspeed --num_gpus=N``) on tiny-deepseek-v3 built with
-``from_config`` and seed 0, over the same prepared rows, with the ds_config resolved by deepzero.dsconfig. Each loop
-writes train.py-shaped records (step, host time) every ``--log-interval`` steps; a run's figure is the median
-seconds per optimizer step over its log windows after the first (warm-up), windows measured record to record so
-they include everything the loop does (data, compute, its own logging). A loop's figure is the median over
-repetitions; repetitions are interleaved in rotating order (A B C, B C A, C A B, ...) so that drift in the machine's
-load hits every loop alike, and on a CPU-only machine each run first waits (up to ``--max-wait`` s) until other
-processes use fewer than ``--max-busy`` cores. Prints and writes the ratios train.py / bare and train.py / HF
-Trainer (below 1: train.py is faster) to ``bench/results/compare_loops.{json,md}``; the ratio of the best windows is
-given too (noise on a shared machine only ever adds time). Targets: train.py within 3 % of the bare loop per step and
-no slower than HF Trainer.
+Every loop is started by the real launcher (``deepspeed --num_gpus=N``) over the same prepared rows, with the
+ds_config resolved by deepzero.dsconfig, seed 0, and computes the same loss: Transformers' own cross-entropy on whole
+logits, token-weighted over the global batch (each step's target count is all-reduced first: train.py and the bare
+loop pass it as ``num_items_in_batch``, HF Trainer gathers it itself, ``average_tokens_across_devices``). Two cases:
+
+- **moe**: tiny-deepseek-v3 with train.py's ``--moe-balance off --tiled-loss off``, as the other two loops train it
+  (no routing-bias update, no balance loss). train.py still counts expert loads for its telemetry: loop overhead.
+- **dense**: a tiny Llama-architecture model of the same widths (written seeded to ``<work>/tiny-llama`` and loaded
+  by all three loops), where train.py has no router hooks at all: nothing but the loop differs.
+
+Two more train.py runs on the moe case give the cost of what the others leave out: balancing on (``auto``: the V3
+bias update and sequence-wise loss) and the tiled loss on (train.py's defaults), each against the moe train.py run.
+
+Each loop writes train.py-shaped records (step, host time) every ``--log-interval`` steps; a run's figure is the
+median seconds per optimizer step over its log windows after the first (warm-up), windows measured record to record
+so they include everything the loop does. A variant's figure is the median over repetitions; within each case the
+variants run in rotating order (A B C, B C A, ...) and the cases alternate, so drift in the machine's load hits every
+variant alike; each ratio is also given per repetition (paired), with its spread. On a CPU-only machine each run first
+waits (up to ``--max-wait`` s) until other processes use fewer than ``--max-busy`` cores, and records what they used.
+Writes ``bench/results/compare_loops.{json,md}``. Targets: train.py within 3 % of the bare loop per step and no slower
+than HF Trainer.
 """
 
 from __future__ import annotations
@@ -22,6 +33,7 @@ import argparse
 import json
 import statistics
 import time
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -35,8 +47,9 @@ from bench.scaling import (
     window_step_times,
     write_results,
 )
+from deepzero.presets import PRESETS
 
-# name -> (launch target, launched as a module)
+# loop -> (launch target, launched as a module)
 LOOPS: dict[str, tuple[str, bool]] = {
     "train.py": ("train.py", False),
     "bare": ("bench.bare_loop", True),
@@ -44,12 +57,80 @@ LOOPS: dict[str, tuple[str, bool]] = {
 }
 MAX_VS_BARE = 1.03
 MAX_VS_HF = 1.00
+UNTILED = ("--tiled-loss", "off")
 
 
-def loop_args(args: argparse.Namespace, name: str, out: Path) -> list[str]:
-    """The same flags for every loop; train.py also turns off eval, checkpoints and export."""
+@dataclass(frozen=True)
+class Variant:
+    """One configuration that is launched once per repetition."""
+
+    name: str
+    loop: str
+    """A key of LOOPS."""
+    case: str
+    """moe or dense: which model it trains."""
+    flags: tuple[str, ...] = ()
+    """Extra train.py flags."""
+
+
+VARIANTS = [
+    Variant("moe/train.py", "train.py", "moe", ("--moe-balance", "off", *UNTILED)),
+    Variant("moe/bare", "bare", "moe"),
+    Variant("moe/hf_trainer", "hf_trainer", "moe"),
+    Variant("moe/train.py+balance", "train.py", "moe", ("--moe-balance", "auto", *UNTILED)),
+    Variant("moe/train.py+tiled", "train.py", "moe", ("--moe-balance", "off", "--tiled-loss", "on")),
+    Variant("dense/train.py", "train.py", "dense", UNTILED),
+    Variant("dense/bare", "bare", "dense"),
+    Variant("dense/hf_trainer", "hf_trainer", "dense"),
+]
+BY_NAME = {v.name: v for v in VARIANTS}
+
+
+@dataclass(frozen=True)
+class Comparison:
+    """A ratio of step times, numerator / denominator (below 1: the numerator is faster)."""
+
+    label: str
+    num: str
+    den: str
+    target: float | None
+    """Upper bound on the ratio; None: a cost to report, not a target."""
+
+
+COMPARISONS = [
+    Comparison("moe (balancing off): train.py / bare", "moe/train.py", "moe/bare", MAX_VS_BARE),
+    Comparison("moe (balancing off): train.py / HF Trainer", "moe/train.py", "moe/hf_trainer", MAX_VS_HF),
+    Comparison("dense: train.py / bare", "dense/train.py", "dense/bare", MAX_VS_BARE),
+    Comparison("dense: train.py / HF Trainer", "dense/train.py", "dense/hf_trainer", MAX_VS_HF),
+    Comparison(
+        "balancing's own cost: train.py on (bias + seq. loss) / off", "moe/train.py+balance", "moe/train.py", None
+    ),
+    Comparison("tiled loss's own cost: train.py on / off", "moe/train.py+tiled", "moe/train.py", None),
+]
+DENSE_KEYS = ("hidden_size", "intermediate_size", "num_hidden_layers", "num_attention_heads", "num_key_value_heads")
+DENSE_WIDTHS = {k: PRESETS["tiny-deepseek-v3"].arch[k] for k in (*DENSE_KEYS, "max_position_embeddings")}
+"""tiny-deepseek-v3's attention and dense-MLP widths, as a Llama (deepseek-coder's architecture), untied head."""
+
+
+def write_dense_model(folder: Path, data: str) -> Path:
+    """A seeded random tiny Llama with the data's vocabulary, saved as safetensors: every loop loads these weights."""
+    import torch
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    from deepzero import modeling
+    from deepzero.data import load_meta
+
+    tokenizer = modeling.load_tokenizer(load_meta(data)["tokenizer"])
+    torch.manual_seed(0)
+    model = LlamaForCausalLM(LlamaConfig(vocab_size=len(tokenizer), tie_word_embeddings=False, **DENSE_WIDTHS))
+    model.save_pretrained(folder, safe_serialization=True)
+    return folder
+
+
+def loop_args(args: argparse.Namespace, variant: Variant, model: str, out: Path) -> list[str]:
+    """The same flags for every loop; train.py also turns off eval, checkpoints and export, plus its own flags."""
     common = [
-        "--deepspeed_config", args.deepspeed_config, "--model", args.model, "--data", args.data, "--out", str(out),
+        "--deepspeed_config", args.deepspeed_config, "--model", model, "--data", args.data, "--out", str(out),
         "--max-steps", str(args.steps), "--log-interval", str(args.log_interval), "--seed", "0",
         "--lr", str(args.lr), "--warmup-steps", str(args.warmup_steps),
     ]  # fmt: skip
@@ -57,98 +138,121 @@ def loop_args(args: argparse.Namespace, name: str, out: Path) -> list[str]:
         common += ["--micro-batch", str(args.micro_batch)]
     if args.grad_accum:
         common += ["--grad-accum", str(args.grad_accum)]
-    if name == "train.py":
-        common += ["--eval-interval", "0", "--save-interval", "0", "--no-export"]
+    if variant.loop == "train.py":
+        common += ["--eval-interval", "0", "--save-interval", "0", "--no-export", *variant.flags]
     return common
 
 
-def run_once(args: argparse.Namespace, name: str, rep: int) -> dict[str, Any]:
-    """One launch of one loop: its per-window step times and their median."""
-    target, module = LOOPS[name]
-    out = repo_path(args.work) / f"{name.replace('.', '_')}-rep{rep}"
+def run_once(args: argparse.Namespace, variant: Variant, model: str, rep: int) -> dict[str, Any]:
+    """One launch of one variant: its per-window step times and their median."""
+    target, module = LOOPS[variant.loop]
+    out = repo_path(args.work) / f"{variant.name.replace('/', '-').replace('.', '_')}-rep{rep}"
     (out / "metrics.jsonl").unlink(missing_ok=True)
     quiet = wait_for_quiet(args.max_busy, args.max_wait)
-    wall = launch(target, loop_args(args, name, out), args.ranks, out / "launcher.log", module=module)
+    wall = launch(target, loop_args(args, variant, model, out), args.ranks, out / "launcher.log", module=module)
     windows = window_step_times(train_records(out))
     median = statistics.median(windows)
-    print(f"  rep {rep} {name:<11} {median * 1e3:8.1f} ms/step  (windows {', '.join(f'{w:.3f}' for w in windows)})")
+    shown = ", ".join(f"{w:.3f}" for w in windows)
+    print(f"  rep {rep} {variant.name:<21} {median * 1e3:8.1f} ms/step  (windows {shown})")
     return {"rep": rep, "step_time_s": median, "windows_s": windows, "wall_s": wall, "out": str(out), **quiet}
 
 
 def rotation(names: list[str], rep: int) -> list[str]:
-    """Rep r runs the loops rotated by r: A B C, B C A, C A B, ..."""
-    k = rep % len(names)
+    """Rep r runs the names rotated by r: A B C, B C A, C A B, ..."""
+    k = rep % len(names) if names else 0
     return names[k:] + names[:k]
 
 
+def schedule(names: list[str], rep: int) -> list[str]:
+    """Rep r's launch order: each case's variants rotated by r, the cases in alternating order (dense first at rep 0)."""
+    cases = list(dict.fromkeys(BY_NAME[n].case for n in names))
+    cases = cases[::-1] if rep % 2 == 0 else cases
+    return [n for case in cases for n in rotation([n for n in names if BY_NAME[n].case == case], rep)]
+
+
+def compare(runs: dict[str, list[dict[str, Any]]], c: Comparison) -> dict[str, Any]:
+    """One ratio three ways (of medians, per-repetition pairs, best windows) and where it stands to its target."""
+    med = {n: statistics.median(r["step_time_s"] for r in runs[n]) for n in (c.num, c.den)}
+    paired = [a["step_time_s"] / b["step_time_s"] for a, b in zip(runs[c.num], runs[c.den], strict=True)]
+    best = {n: min(w for r in runs[n] for w in r["windows_s"]) for n in (c.num, c.den)}
+    out: dict[str, Any] = {
+        "label": c.label,
+        "num": c.num,
+        "den": c.den,
+        "ratio_of_medians": med[c.num] / med[c.den],
+        "paired": paired,
+        "paired_median": statistics.median(paired),
+        "best_window_ratio": best[c.num] / best[c.den],
+        "target": c.target,
+    }
+    if c.target is not None:
+        out["pass"] = out["ratio_of_medians"] <= c.target
+        out["every_rep"] = (
+            "pass" if max(paired) <= c.target else "fail" if min(paired) > c.target else "straddles the target"
+        )
+    return out
+
+
 def summarize(runs: dict[str, list[dict[str, Any]]], tokens_per_step: int) -> dict[str, Any]:
-    """Per-loop medians, the two ratios (of medians, and median of per-rep paired ratios) and pass/fail."""
-    loops = {}
+    """Per-variant medians and spread, and every comparison whose two variants ran."""
+    variants = {}
     for name, reps in runs.items():
         times = [r["step_time_s"] for r in reps]
-        loops[name] = {
+        v = BY_NAME[name]
+        variants[name] = {
+            "loop": v.loop,
+            "case": v.case,
+            "flags": list(v.flags),
             "step_time_s": statistics.median(times),
             "min_s": min(times),
             "max_s": max(times),
             "tokens_per_s": tokens_per_step / statistics.median(times),
             "reps": reps,
         }
-    ours = loops["train.py"]["step_time_s"]
-    paired = {
-        other: statistics.median(
-            a["step_time_s"] / b["step_time_s"] for a, b in zip(runs["train.py"], runs[other], strict=True)
-        )
-        for other in ("bare", "hf_trainer")
-    }
-    vs_bare, vs_hf = ours / loops["bare"]["step_time_s"], ours / loops["hf_trainer"]["step_time_s"]
-    best = {name: min(w for r in reps for w in r["windows_s"]) for name, reps in runs.items()}
-    return {
-        "loops": loops,
-        "ratio_train_vs_bare": vs_bare,
-        "ratio_train_vs_hf_trainer": vs_hf,
-        "paired_ratio_train_vs_bare": paired["bare"],
-        "paired_ratio_train_vs_hf_trainer": paired["hf_trainer"],
-        "best_window_s": best,
-        "best_window_ratio_train_vs_bare": best["train.py"] / best["bare"],
-        "best_window_ratio_train_vs_hf_trainer": best["train.py"] / best["hf_trainer"],
-        "pass_vs_bare": vs_bare <= MAX_VS_BARE,
-        "pass_vs_hf_trainer": vs_hf <= MAX_VS_HF,
-    }
+    comparisons = [compare(runs, c) for c in COMPARISONS if c.num in runs and c.den in runs]
+    return {"variants": variants, "comparisons": comparisons}
 
 
 def markdown(result: dict[str, Any]) -> str:
-    """Table of per-loop step times and the ratios."""
+    """Table of per-variant step times and the ratios."""
     s = result["summary"]
     lines = [
-        "# train.py vs bare deepspeed loop vs HF Trainer",
+        "# train.py vs bare deepspeed loop vs HF Trainer, equal work",
         "",
-        f"`{result['model']}`, `{result['deepspeed_config']}`, {result['ranks']} ranks, {result['batch']},"
-        f" {result['steps']} steps, log every {result['log_interval']} (first window dropped),"
-        f" {result['reps']} interleaved repetitions. Machine: {result['machine'].get('gpu') or 'CPU only'},"
+        f"moe: `{result['model']}`; dense: `{result['dense_model']}`. `{result['deepspeed_config']}`,"
+        f" {result['ranks']} ranks, {result['batch']}, {result['steps']} steps, log every {result['log_interval']}"
+        f" (first window dropped), {result['reps']} interleaved repetitions. Every loop: untiled loss, token-weighted"
+        f" over the global batch. Machine: {result['machine'].get('gpu') or 'CPU only'},"
         f" {result['machine']['cpu_count']} cores.",
         "",
-        "| loop | median s/step | min–max over reps | tokens/s | per-rep medians (s) |",
-        "|---|---|---|---|---|",
+        "| variant | train.py flags | median s/step | min–max over reps | tokens/s | per-rep medians (s) |",
+        "|---|---|---|---|---|---|",
     ]
-    for name, loop in s["loops"].items():
-        reps = ", ".join(f"{r['step_time_s']:.3f}" for r in loop["reps"])
+    for name, v in s["variants"].items():
+        reps = ", ".join(f"{r['step_time_s']:.3f}" for r in v["reps"])
+        flags = f"`{' '.join(v['flags'])}`" if v["flags"] else ""
         lines.append(
-            f"| {name} | {loop['step_time_s']:.3f} | {loop['min_s']:.3f}–{loop['max_s']:.3f}"
-            f" | {loop['tokens_per_s']:,.0f} | {reps} |"
+            f"| {name} | {flags} | {v['step_time_s']:.3f} | {v['min_s']:.3f}–{v['max_s']:.3f}"
+            f" | {v['tokens_per_s']:,.0f} | {reps} |"
         )
-    busy = [r.get("busy_cores_before") for loop in s["loops"].values() for r in loop["reps"]]
+    busy = [r.get("busy_cores_before") for v in s["variants"].values() for r in v["reps"]]
     if busy and None not in busy:
         lines += ["", f"Cores used by other processes just before each run: {min(busy):.1f}–{max(busy):.1f}."]
-    ok = {True: "pass", False: "FAIL"}
     lines += [
         "",
-        "| ratio (step time) | of medians | median of paired reps | of best windows | target | result (medians) |",
+        "| ratio (step time) | of medians | paired reps: median (min–max) | of best windows | target | result |",
         "|---|---|---|---|---|---|",
-        f"| train.py / bare | {s['ratio_train_vs_bare']:.3f} | {s['paired_ratio_train_vs_bare']:.3f}"
-        f" | {s['best_window_ratio_train_vs_bare']:.3f} | ≤ {MAX_VS_BARE:.2f} | {ok[s['pass_vs_bare']]} |",
-        f"| train.py / HF Trainer | {s['ratio_train_vs_hf_trainer']:.3f} | {s['paired_ratio_train_vs_hf_trainer']:.3f}"
-        f" | {s['best_window_ratio_train_vs_hf_trainer']:.3f} | ≤ {MAX_VS_HF:.2f} | {ok[s['pass_vs_hf_trainer']]} |",
     ]
+    for c in s["comparisons"]:
+        target, verdict = "cost", "—"
+        if c["target"] is not None:
+            target = f"≤ {c['target']:.2f}"
+            verdict = f"{'pass' if c['pass'] else 'FAIL'} (medians); every rep: {c['every_rep']}"
+        spread = f"{min(c['paired']):.3f}–{max(c['paired']):.3f}"
+        lines.append(
+            f"| {c['label']} | {c['ratio_of_medians']:.3f} | {c['paired_median']:.3f} ({spread})"
+            f" | {c['best_window_ratio']:.3f} | {target} | {verdict} |"
+        )
     return "\n".join(lines) + "\n"
 
 
@@ -158,7 +262,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--ranks", type=int, default=3)
     p.add_argument("--steps", type=int, default=30)
     p.add_argument("--log-interval", type=int, default=3)
-    p.add_argument("--model", default="tiny-deepseek-v3")
+    p.add_argument("--model", default="tiny-deepseek-v3", help="The moe case's model.")
+    p.add_argument("--dense-model", default=None, help="The dense case's model. Default: a tiny Llama, written here.")
     p.add_argument("--deepspeed-config", default="ds_configs/zero2.json")
     p.add_argument("--data", default="artifacts/data/stdlib")
     p.add_argument("--micro-batch", type=int, default=None, help="Default: the ds_config's.")
@@ -167,14 +272,14 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--warmup-steps", type=int, default=30)
     p.add_argument("--max-busy", type=float, default=quiet_default(), help="Wait for others to use fewer cores.")
     p.add_argument("--max-wait", type=float, default=600, help="Longest wait for a quiet machine, per run (s).")
-    p.add_argument("--loops", nargs="+", default=list(LOOPS), choices=list(LOOPS))
+    p.add_argument("--variants", nargs="+", default=list(BY_NAME), choices=list(BY_NAME))
     p.add_argument("--work", default="runs/bench/compare_loops")
     p.add_argument("--results", default="bench/results")
     return p.parse_args(argv)
 
 
 def main(argv: list[str] | None = None) -> dict[str, Any]:
-    """Run every loop ``reps`` times, interleaved; write and print the comparison."""
+    """Run every variant ``reps`` times, interleaved; write and print the comparison."""
     from bench.bare_loop import LoopArgs, resolve_config
     from deepzero.data import load_meta
 
@@ -192,14 +297,17 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
         ),
         args.ranks,
     )
+    dense = args.dense_model or str(write_dense_model(repo_path(args.work) / "tiny-llama", args.data))
+    models = {"moe": args.model, "dense": dense}
     seq_len = int(load_meta(args.data)["seq_len"])
-    print(f"{len(args.loops)} loops × {args.reps} reps on {args.ranks} ranks; {cfg.batch.describe(seq_len)}")
-    runs: dict[str, list[dict[str, Any]]] = {name: [] for name in args.loops}
+    print(f"{len(args.variants)} variants × {args.reps} reps on {args.ranks} ranks; {cfg.batch.describe(seq_len)}")
+    runs: dict[str, list[dict[str, Any]]] = {name: [] for name in args.variants}
     for rep in range(args.reps):
-        for name in rotation(args.loops, rep):
-            runs[name].append(run_once(args, name, rep))
+        for name in schedule(args.variants, rep):
+            runs[name].append(run_once(args, BY_NAME[name], models[BY_NAME[name].case], rep))
     result: dict[str, Any] = {
         "model": args.model,
+        "dense_model": "tiny Llama " + json.dumps(DENSE_WIDTHS) if args.dense_model is None else args.dense_model,
         "deepspeed_config": args.deepspeed_config,
         "ranks": args.ranks,
         "batch": cfg.batch.describe(seq_len),
@@ -210,13 +318,12 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
         "reps": args.reps,
         "machine": machine(),
         "measured_at": time.strftime("%Y-%m-%d %H:%M:%S"),
+        "summary": summarize(runs, cfg.batch.global_batch * seq_len),
     }
-    if set(args.loops) == set(LOOPS):
-        result["summary"] = summarize(runs, cfg.batch.global_batch * seq_len)
+    if set(args.variants) == set(BY_NAME):
         write_results(args.results, "compare_loops", result, markdown(result))
-    else:
-        result["runs"] = runs  # a partial comparison is printed, never written over the full one
-        print(json.dumps({n: [r["step_time_s"] for r in rs] for n, rs in runs.items()}, indent=2))
+    else:  # a partial comparison is printed, never written over the full one
+        print(markdown(result))
     return result
 
 
