@@ -122,6 +122,13 @@ class TrainArgs:
     device_map_devices: str | None = field(
         default=None, **_help("Cards for --device-map, e.g. 0,1,2 (default: all visible GPUs) or cpu,cpu,cpu.")
     )
+    sequence_parallel: int | None = field(
+        default=None,
+        **_help(
+            "Split every sequence over N ranks (all-gather attention, any head count; data-parallel size = world / N);"
+            ' the same as "sequence_parallel_size": N in the DeepSpeed JSON. ZeRO engine only.'
+        ),
+    )
     peak_tflops: float | None = field(
         default=None, **_help("Peak dense TFLOP/s per device for MFU. Default: looked up from the GPU name.")
     )
@@ -170,7 +177,7 @@ class TrainArgs:
                 raise UserError(f"--{name.replace('_', '-')}", "must be at least 1", "pass a positive integer")
         if self.device_map not in (None, "balanced"):
             raise UserError(f"--device-map {self.device_map}", "unknown placement", "use --device-map balanced")
-        for name, least in (("micro_batch", 1), ("grad_accum", 1), ("warmup_steps", 1)):
+        for name, least in (("micro_batch", 1), ("grad_accum", 1), ("warmup_steps", 1), ("sequence_parallel", 1)):
             value = getattr(self, name)
             if value is not None and value < least:
                 raise UserError(

@@ -408,7 +408,7 @@ def _legacy_pickle(path: Path) -> bool:
 
 def load(engine: Any, ckpt_dir: Path, load_optimizer_states: bool = True) -> TrainState:
     """Load the checkpoint that ``latest`` points to; clear errors for missing, corrupt or foreign ones."""
-    tag = check_resumable(ckpt_dir, engine.dp_size)
+    tag = check_resumable(ckpt_dir, getattr(engine, "zero_ranks", engine.dp_size))  # sequence parallel: the world
     try:
         path, client_state = engine.load_checkpoint(
             str(ckpt_dir), tag=tag, load_optimizer_states=load_optimizer_states, load_lr_scheduler_states=True

@@ -401,7 +401,8 @@ def deepspeed_problems(cfg: dict[str, Any], batch: BatchMath) -> list[str]:
         seen_world = comm.get_world_size()
     except (RuntimeError, AssertionError, AttributeError):
         seen_world = 1
-    as_seen = {**copy.deepcopy(cfg), "train_batch_size": batch.micro * batch.accum * seen_world}
+    seen_dp = seen_world // cfg.get("sequence_parallel_size", 1) if seen_world > 1 else 1  # DeepSpeed: world / SP
+    as_seen = {**copy.deepcopy(cfg), "train_batch_size": batch.micro * batch.accum * seen_dp}
     try:
         DeepSpeedConfig(as_seen)
     except Exception as err:  # DeepSpeed raises AssertionError, ValueError, pydantic errors, ...

@@ -19,6 +19,7 @@ import torch
 from torch import nn
 
 from deepzero import checkpoint, dsconfig, engines, modeling, moe_balance, preemption, report, universal
+from deepzero import sequence_parallel as sp
 from deepzero.args import TrainArgs
 from deepzero.data import PackedDataset, check_enough_rows, load_meta
 from deepzero.distributed import init_distributed
@@ -30,7 +31,7 @@ from deepzero.lora import LoraSpec
 from deepzero.memory_savers import MemorySavers
 from deepzero.metrics import MetricsSink, redact
 from deepzero.op_builds import check_op_builds
-from deepzero.plan import check_fit, model_stats
+from deepzero.plan import SaverTerms, check_fit, model_stats
 from deepzero.precision import check_fp16_range, fp16_risk
 from deepzero.presets import PRESETS
 
@@ -118,7 +119,9 @@ def plan_run(args: TrainArgs, world: int) -> RunPlan:
         )
     balance = moe_balance.choose(config, args.moe_balance, args.moe_bias_rate, args.moe_aux_alpha)
     settings = choose_engine(args)
-    cfg = dsconfig.resolve(args.deepspeed_config, settings.dp_size(world), hints, args.ds, precision=args.precision)
+    sequence = sequence_size(settings)
+    overrides = [*args.ds, f"sequence_parallel_size={sequence}"] if sequence > 1 else args.ds  # zero.Init reads it
+    cfg = dsconfig.resolve(args.deepspeed_config, settings.dp_size(world), hints, overrides, precision=args.precision)
     settings.check_batch(cfg.batch)
     if cfg.precision_choice.changed:
         warn(f"{cfg.precision_choice.describe()}. Fix: pass --precision to choose another")
@@ -126,6 +129,13 @@ def plan_run(args: TrainArgs, world: int) -> RunPlan:
         warn(risk)
     lr_source = cfg.lr_source
     seq_len = int(meta["seq_len"])
+    sp.check_divisible(seq_len, sequence, args.data)
+    if sequence > 1 and balance.mode != "off":  # its hooks count whole rows; the routers would see slices
+        raise UserError(
+            f"--moe-balance {args.moe_balance}",
+            f"MoE load balancing ({balance.mode}) does not run under sequence parallelism yet",
+            "pass --moe-balance off, or train without sequence parallelism",
+        )
     if seq_len > config.max_position_embeddings:
         raise UserError(
             f"{args.data}/meta.json",
@@ -139,10 +149,14 @@ def plan_run(args: TrainArgs, world: int) -> RunPlan:
     val_data = usable_val_split(args, meta, cfg.batch, vocab)
     check_disk(args, config, cfg.precision)
     if args.resume:
-        checkpoint.check_resumable(args.checkpoint_dir, settings.dp_size(world))
-    if warning := check_fit(config, settings, cfg, seq_len, world_size=world, pretrained=not source.random_init):
+        checkpoint.check_resumable(args.checkpoint_dir, settings.dp_size(world) * sequence)  # ZeRO: every rank
+    pipeline = isinstance(settings, engines.PipelineSettings)
+    savers = MemorySavers.choose(args, config, seq_len, pipeline=pipeline, vocab_size=vocab)
+    terms = SaverTerms.of(savers)
+    if warning := check_fit(
+        config, settings, cfg, seq_len, world_size=world, pretrained=not source.random_init, savers=terms
+    ):
         warn(warning)
-    savers = MemorySavers.choose(args, config, seq_len, pipeline=isinstance(settings, engines.PipelineSettings))
     return RunPlan(source, config, cfg, settings, lr_source, seq_len, train_data, val_data, tokenizer, balance, savers)
 
 
@@ -197,8 +211,19 @@ def choose_engine(args: TrainArgs) -> EngineSettings:
     dsconfig.apply_overrides(raw, list(args.ds), args.deepspeed_config)
     lora = LoraSpec.parse(args.lora) if args.lora is not None else None
     return engines.choose(
-        raw, args.deepspeed_config, args.device_map, args.device_map_devices, args.gradient_checkpointing, lora
+        raw,
+        args.deepspeed_config,
+        args.device_map,
+        args.device_map_devices,
+        args.gradient_checkpointing,
+        lora,
+        args.sequence_parallel,
     )
+
+
+def sequence_size(settings: EngineSettings) -> int:
+    """Ranks per sequence the engine settings chose (1: whole rows on every rank)."""
+    return getattr(settings, "sequence_parallel", 1)
 
 
 def usable_val_split(
@@ -262,6 +287,11 @@ def setup(args: TrainArgs) -> Run:
         "precision": plan.cfg.precision_choice.to_json(),
         "moe_balance": plan.balance.to_json(),
         "memory_savers": plan.savers.to_json(),
+        "sequence_parallel": {
+            "size": sequence_size(plan.engine_settings),
+            "data_parallel": plan.cfg.batch.dp_size,
+            "method": "all-gather context parallelism" if sequence_size(plan.engine_settings) > 1 else "off",
+        },
         "env": redact(report.launch_env()),
     }
     run = Run(

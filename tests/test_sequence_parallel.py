@@ -137,3 +137,70 @@ def test_cost_formula_counts_mla_keys_and_values_per_head() -> None:
     assert heads == v3.num_attention_heads
     gqa = shapes()["qwen2_12_2"]
     assert sp.gathered_bytes(gqa, 96, 3, 2) == 2 * 32 * (8 + 8) * 2 * 2
+
+
+@pytest.fixture(scope="module")
+def data66(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """The stdlib corpus in rows of 66 tokens (3 slices of 22)."""
+    from conftest import prepare
+
+    out = tmp_path_factory.mktemp("data") / "sp66"
+    return prepare(out, "--tokenizer", "train", "--vocab-size", "512", "--val-fraction", "0.1", seq_len=66)
+
+
+def run_args(data: Path, out: Path, *extra: str) -> list[str]:
+    return [
+        "--model", "tiny-deepseek-v3", "--data", str(data), "--out", str(out), "--moe-balance", "off",
+        "--precision", "fp32", "--lr", "3e-3", "--warmup-steps", "2", "--micro-batch", "2", "--grad-accum", "2",
+        "--log-interval", "1", "--eval-interval", "4", "--eval-batches", "2", "--save-interval", "2", *extra,
+    ]  # fmt: skip
+
+
+@pytest.mark.launcher
+def test_train_py_sequence_parallel_three_ranks_trains_one_ranks_curve(data66: Path, tmp_path: Path) -> None:
+    """Global batch 4 rows of 66: one rank (data-parallel 1) vs 3 ranks in one sequence group; ZeRO-2 with
+    activation checkpointing, eval and export, then ZeRO-3 stopped at step 2 and resumed."""
+    from conftest import launch, losses, records
+
+    base = ["--deepspeed_config", "ds_configs/zero2.json", "--max-steps", "4"]
+    launch([*base, *run_args(data66, tmp_path / "one")], nproc=1)
+    sp3 = launch([*base, *run_args(data66, tmp_path / "sp3", "--sequence-parallel", "3", "--gradient-checkpointing")])
+    log = sp3.stdout + sp3.stderr
+    assert "sequence parallel 3 × data-parallel 1" in log and "world 3 on cpu" in log
+    assert "micro 2 × accumulation 2 × data-parallel 1 = global 4 sequences = 264 tokens/step" in log
+    run_config = json.loads((tmp_path / "sp3" / "run_config.json").read_text())
+    assert run_config["sequence_parallel"] == {
+        "size": 3,
+        "data_parallel": 1,
+        "method": "all-gather context parallelism",
+    }
+    assert run_config["deepspeed"]["sequence_parallel_size"] == 3
+    ref, got = losses(tmp_path / "one"), losses(tmp_path / "sp3")
+    assert sorted(got) == [1, 2, 3, 4]
+    for step in ref:
+        assert got[step] == pytest.approx(ref[step], rel=2e-5), (step, ref, got)
+    grad_ref, grad_sp = ([r["grad_norm"] for r in records(tmp_path / d)] for d in ("one", "sp3"))
+    assert grad_sp == pytest.approx(grad_ref, rel=1e-4)
+    val_ref, val_sp = (records(tmp_path / d, "eval")[-1]["val_loss"] for d in ("one", "sp3"))
+    assert val_sp == pytest.approx(val_ref, rel=2e-5)
+    export = records(tmp_path / "sp3", "export")[-1]
+    assert export["ok"] and export["max_abs_logit_diff"] <= export["tolerance"]
+    assert '"_attn_implementation"' not in (tmp_path / "sp3" / "hf" / "config.json").read_text()
+
+
+@pytest.mark.launcher
+def test_train_py_sequence_parallel_zero3_resumes_on_one_ranks_curve(data66: Path, tmp_path: Path) -> None:
+    """ZeRO-3 (partitioned at load over all 3 ranks of the sequence group): stopped at step 2, resumed to 4, the
+    curve of one ZeRO-3 rank on the same global batch."""
+    from conftest import launch, losses
+
+    zero3 = ["--deepspeed_config", "ds_configs/zero3.json"]
+    launch([*zero3, "--max-steps", "4", *run_args(data66, tmp_path / "one")], nproc=1)
+    out = tmp_path / "sp3z3"
+    launch([*zero3, "--sequence-parallel", "3", "--max-steps", "2", *run_args(data66, out)])
+    resumed = launch([*zero3, "--sequence-parallel", "3", "--max-steps", "4", "--resume", *run_args(data66, out)])
+    assert "ZeRO-3" in resumed.stdout and "sequence parallel 3" in resumed.stdout
+    ref, curve = losses(tmp_path / "one"), losses(out)
+    assert sorted(curve) == [1, 2, 3, 4]
+    for step in ref:
+        assert curve[step] == pytest.approx(ref[step], rel=2e-5), (step, ref, curve)

@@ -3,7 +3,8 @@
 Each way is one module with a settings object (:class:`EngineSettings`), chosen once while the run is planned
 (:func:`choose`), that knows its data-parallel size, checks the batch math it needs, and builds its engine:
 
-- ``zero.ZeroSettings`` → ``zero.ZeroEngine``: DeepSpeed ZeRO-0/1/2/3 data parallel (LoRA is a model transform there);
+- ``zero.ZeroSettings`` → ``zero.ZeroEngine``: DeepSpeed ZeRO-0/1/2/3 data parallel (LoRA is a model transform there),
+  optionally with every sequence split over ``sequence_parallel_size`` ranks (``deepzero.sequence_parallel``);
 - ``pipeline.PipelineSettings`` → ``pipeline.PipelineEngine``: DeepSpeed's PipelineModule, one stage per rank group;
 - ``layer_split.LayerSplitSettings`` → ``layer_split.LayerSplitEngine``: one process, layers balanced over the cards.
 
@@ -45,15 +46,40 @@ def choose(
     devices: str | None,
     gradient_checkpointing: bool,
     lora: LoraSpec | None,
+    sequence_parallel: int | None = None,
 ) -> EngineSettings:
     """The way to use the cards: a "pipeline" section in the DeepSpeed config (``ds``, after overrides), a layer
-    split (``--device-map``), or ZeRO data parallel."""
+    split (``--device-map``), or ZeRO data parallel, with ``sequence_parallel_size`` ranks per sequence."""
     pipe = PipelineSettings.from_ds(ds, source) if "pipeline" in ds else None
     if lora is not None and (pipe is not None or device_map):
         raise UserError("--lora", "LoRA runs on the ZeRO engine only", "use a ZeRO preset without --device-map")
+    sp = sequence_size(ds, source, sequence_parallel)
+    if sp > 1 and (pipe is not None or device_map):
+        way = f'the "pipeline" section of {source}' if pipe is not None else "--device-map"
+        raise UserError(
+            f"sequence_parallel_size {sp}",
+            f"sequence parallelism runs on the ZeRO engine only, not with {way}",
+            "use a ZeRO preset (ds_configs/zero2.json or zero3.json) without --device-map",
+        )
     if device_map:
         return LayerSplitSettings(devices)
-    return pipe or ZeroSettings(gradient_checkpointing, lora)
+    return pipe or ZeroSettings(gradient_checkpointing, lora, sp)
+
+
+def sequence_size(ds: dict[str, Any], source: str, flag: int | None) -> int:
+    """Ranks per sequence: ``--sequence-parallel`` or the config's ``"sequence_parallel_size"`` (1 without)."""
+    value = ds.get("sequence_parallel_size", 1)
+    if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+        raise UserError(
+            f"{source} sequence_parallel_size", f"must be an integer >= 1, got {value!r}", "set it to e.g. 3"
+        )
+    if flag is not None and "sequence_parallel_size" in ds and flag != value:
+        raise UserError(
+            f"--sequence-parallel {flag}",
+            f'{source} says "sequence_parallel_size": {value}',
+            "pass one of them, or the same number",
+        )
+    return flag or value
 
 
 __all__ = [

@@ -2,7 +2,9 @@
 state (ZeRO-1), gradients (ZeRO-2) and parameters (ZeRO-3), optionally offloaded to CPU RAM.
 
 LoRA is a model transform applied here, between building the model and ``deepspeed.initialize``, plus an export
-variant that merges the adapters (``deepzero.lora``).
+variant that merges the adapters (``deepzero.lora``). So is sequence parallelism (``deepzero.sequence_parallel``):
+each sequence group's ranks read the same rows, train on their slices of them, and DeepSpeed reduces the gradients
+over its sequence × data-parallel groups (``mpu=parallel_state_sp``).
 """
 
 from __future__ import annotations
@@ -19,8 +21,10 @@ from deepspeed.accelerator import get_accelerator
 from torch import nn
 
 from deepzero import modeling
+from deepzero import sequence_parallel as sp
 from deepzero.dsconfig import BatchMath
 from deepzero.engines.base import Batch, DeepSpeedBacked, ModelFactory, draw, lm_loss, loss_normalizer, mean_eval_loss
+from deepzero.errors import UserError
 from deepzero.export import ExportReport, export_hf
 from deepzero.lora import LoraSpec, apply_lora, export_lora_hf
 
@@ -37,12 +41,17 @@ class ZeroEngine(DeepSpeedBacked):
         exporter: Exporter,
         keep_alive: object | None = None,
         partitioned_at_load: bool = False,
+        sequence: sp.SequenceGroups | None = None,
     ) -> None:
         self.engine = engine
         self.model = model
         self.device = torch.device(get_accelerator().current_device_name())
-        self.dp_rank = dist.get_rank()
-        self.dp_size = dist.get_world_size()
+        self.sequence = sequence
+        """Sequence parallelism: this rank's group and slice (None: whole rows on every rank)."""
+        self.dp_rank = sequence.dp_rank if sequence else dist.get_rank()
+        self.dp_size = sequence.dp_size if sequence else dist.get_world_size()
+        self.zero_ranks = dist.get_world_size()
+        """Ranks ZeRO partitions over (its checkpoint's file count): the whole world, sequence groups included."""
         self._exporter = exporter
         self._keep_alive = keep_alive  # ZeRO-3: HfDeepSpeedConfig must live as long as the engine
         self.partitioned_at_load = partitioned_at_load
@@ -55,40 +64,63 @@ class ZeroEngine(DeepSpeedBacked):
         ds_config: dict[str, Any],
         gradient_checkpointing: bool = False,
         lora: LoraSpec | None = None,
+        sequence_parallel: int = 1,
     ) -> ZeroEngine:
-        """Instantiate the model (partitioned at load under ZeRO-3), apply LoRA, wrap it in a DeepSpeed engine."""
+        """Instantiate the model (partitioned at load under ZeRO-3), apply LoRA, wrap it in a DeepSpeed engine
+        (with DeepSpeed's sequence-parallel groups as its ``mpu`` when ``sequence_parallel`` > 1)."""
+        sequence = sp.SequenceGroups.create(sequence_parallel) if sequence_parallel > 1 else None
         stage = int(ds_config.get("zero_optimization", {}).get("stage", 0))
         keep_alive = modeling.zero3_context(ds_config) if stage == 3 else None
         model = build_model()
         partitioned = any(hasattr(p, "ds_id") for p in model.parameters())
         if gradient_checkpointing and not model.is_gradient_checkpointing:  # (the offloaded kind is set already)
             model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+        if sequence is not None:
+            sp.install(model, sequence)
         if lora is not None:  # after the build (ZeRO-3: already partitioned), before initialize
             model = apply_lora(model, lora)
         params = [p for p in model.parameters() if p.requires_grad]
-        engine, *_ = deepspeed.initialize(model=model, model_parameters=params, config=ds_config)
-        return cls(engine, model, export_lora_hf if lora is not None else export_hf, keep_alive, partitioned)
+        mpu = None
+        if sequence is not None:
+            from deepspeed.runtime.sequence_parallel import parallel_state_sp as mpu
+        engine, *_ = deepspeed.initialize(model=model, model_parameters=params, config=ds_config, mpu=mpu)
+        exporter = export_lora_hf if lora is not None else export_hf
+        return cls(engine, model, exporter, keep_alive, partitioned, sequence)
 
     def describe(self) -> str:
-        return "  partitioned at load" if self.partitioned_at_load else ""
+        where = "  partitioned at load" if self.partitioned_at_load else ""
+        if self.sequence is None:
+            return where
+        return (
+            f"{where}  sequence parallel {self.sequence.size} × data-parallel {self.dp_size}"
+            f" (each sequence in {self.sequence.size} slices, keys/values all-gathered)"
+        )
 
     def train_step(self, batches: Iterator[Batch]) -> torch.Tensor:
+        """Under sequence parallelism the targets are counted on whole rows (once per sequence group) and each rank
+        trains on its slice: DeepSpeed sums the slices' gradients over the group and averages over data parallel."""
         engine = self.engine
         micro = draw(batches, engine.gradient_accumulation_steps())
-        normalizer = loss_normalizer(micro, self.dp_size)
+        group = self.sequence.dp_group if self.sequence else None
+        normalizer = loss_normalizer(micro, self.dp_size, group)
+        if self.sequence is not None:
+            micro = [self.sequence.shard(batch) for batch in micro]
         total = torch.zeros((), device=self.device)
         for batch in micro:
             loss = lm_loss(engine, batch, normalizer)
             engine.backward(loss)  # divides by the accumulation steps; ranks' gradients are averaged
             engine.step()
             total += loss.detach().float()
-        return total / len(micro)
+        return total * (self.sequence.size if self.sequence else 1) / len(micro)
 
     def eval_loss(self, batches: Iterator[Batch], micro_batches: int) -> float:
+        if self.sequence is not None:
+            batches = map(self.sequence.shard, batches)
         return mean_eval_loss(self.engine, batches)
 
     def export(self, tokenizer: Any, out_dir: Path, probe: Batch) -> ExportReport | None:
-        return self._exporter(self.engine, tokenizer, out_dir, probe)
+        with sp.whole_rows(self.model):  # every rank runs the probe's whole row with the model's own attention
+            return self._exporter(self.engine, tokenizer, out_dir, probe)
 
     @torch.no_grad()
     def weights_finite(self) -> bool:
@@ -111,12 +143,22 @@ class ZeroSettings:
 
     gradient_checkpointing: bool = False
     lora: LoraSpec | None = None
+    sequence_parallel: int = 1
+    """Ranks per sequence (``"sequence_parallel_size"``); the data-parallel size is world / this."""
 
     def dp_size(self, world: int) -> int:
-        return world
+        if world % self.sequence_parallel:
+            raise UserError(
+                f"sequence_parallel_size {self.sequence_parallel}",
+                f"the world of {world} ranks does not split into groups of {self.sequence_parallel}",
+                f"launch a multiple of {self.sequence_parallel} ranks or set sequence_parallel_size to a divisor of"
+                f" {world}",
+            )
+        return world // self.sequence_parallel
 
     def check_batch(self, batch: BatchMath) -> None:
         return None
 
     def build(self, build_model: ModelFactory, ds_config: dict[str, Any], seq_len: int) -> ZeroEngine:
-        return ZeroEngine.build(build_model, ds_config, self.gradient_checkpointing, self.lora)
+        sp.check_divisible(seq_len, self.sequence_parallel, "the data")
+        return ZeroEngine.build(build_model, ds_config, self.gradient_checkpointing, self.lora, self.sequence_parallel)
