@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import math
 import os
 import sys
 from collections.abc import Sequence
@@ -44,6 +45,10 @@ LORA_RANK = 16
 PRESET_ORDER = ("zero2_bf16", "zero2", "zero3", "zero2_offload", "zero3_offload")
 """ds_configs presets, fastest first: the recommendation is the first one that fits."""
 MAX_MICRO_BATCH = 64
+SEQ_STEP = 1024
+"""Granularity of the longest-sequence search (tokens)."""
+MAX_SEQ_SEARCH = 2**20
+"""Longest sequence the search tries (tokens)."""
 DS_CONFIG_DIR = Path(__file__).resolve().parents[1] / "ds_configs"
 
 
@@ -75,6 +80,8 @@ class Arch:
     moe_intermediate: int = 0
     shared_intermediate: int = 0
     """Intermediate width of the always-on shared experts (moe_intermediate × n_shared_experts)."""
+    max_positions: int = 0
+    """The config's max_position_embeddings (0: not given): the context the checkpoint was trained for."""
 
 
 @dataclass(frozen=True)
@@ -133,6 +140,7 @@ def _arch(config: PretrainedConfig, model: torch.nn.Module) -> Arch:
         experts_per_token=(getattr(c, "num_experts_per_tok", 0) or 0) if moe else 0,
         moe_intermediate=moe_inter,
         shared_intermediate=moe_inter * n_shared,
+        max_positions=getattr(c, "max_position_embeddings", 0) or 0,
     )
 
 
@@ -229,6 +237,42 @@ Layout = PipelineLayout | LayerSplitLayout | None
 
 
 @dataclass(frozen=True)
+class SaverTerms:
+    """The long-sequence decisions (``deepzero.memory_savers.MemorySavers``) the planner models."""
+
+    loss_tiles: int = 0
+    """Tiles of the tiled LM loss per micro-batch (ceil(vocab / hidden)); 0 = whole [tokens × vocab] logits."""
+    offload: bool = False
+    """Checkpointed layer inputs in host memory (only with activation checkpointing)."""
+    tiled_mlp: bool = False
+    """Dense MLPs and shared experts in sequence tiles."""
+    mlp_tile_count: int = 0
+    """Tiles of the tiled MLP; 0 = DeepSpeed's rule ceil(seq_len / hidden) at the planned length."""
+
+    @classmethod
+    def of(cls, savers: Any) -> SaverTerms:
+        """The terms of a run's ``MemorySavers``."""
+        loss_tiles = savers.loss.tiles_per_vocab if savers.loss.enabled else 0
+        return cls(loss_tiles, savers.offload_checkpoints, savers.mlp_tiles > 0, savers.mlp_tiles)
+
+    @classmethod
+    def choose(cls, arch: Arch, tiled_loss: bool = True, offload: bool = False, tiled_mlp: bool = False) -> SaverTerms:
+        """As ``MemorySavers.choose`` decides for these flags (train.py's defaults: tiled loss on, the rest off)."""
+        tiles = math.ceil(arch.vocab / arch.hidden)
+        return cls(tiles if tiled_loss and tiles > 1 else 0, offload, tiled_mlp)
+
+    def mlp_tiles(self, arch: Arch, seq_len: int) -> int:
+        """Sequence tiles of each dense MLP at ``seq_len`` (1 = untiled)."""
+        if not self.tiled_mlp:
+            return 1
+        return max(1, min(seq_len, self.mlp_tile_count or math.ceil(seq_len / arch.hidden)))
+
+    def label(self) -> str:
+        parts = ["tiled loss" if self.loss_tiles else "untiled loss"]
+        return " + ".join(parts + ["offload"] * self.offload + ["tiled MLP"] * self.tiled_mlp)
+
+
+@dataclass(frozen=True)
 class Setup:
     """One training configuration to size: engine layout, ZeRO stage, offload, precision, batch shape, LoRA, and
     how the weights load. Built once from the run's decisions (``run_setup``) or by the planner's table."""
@@ -251,6 +295,8 @@ class Setup:
     """Weights load with from_pretrained in the training dtype; False: a random-init model built in fp32."""
     accum: int = 1
     """Micro-batches per optimizer step (a pipeline keeps up to ``stages`` of them in flight)."""
+    savers: SaverTerms = field(default_factory=SaverTerms)
+    """Tiled loss, offloaded checkpoints, tiled MLP (default: none, the model's own loss)."""
 
     def __post_init__(self) -> None:
         if self.stage not in (0, 1, 2, 3):
@@ -300,6 +346,7 @@ def setup_from_ds_config(
     lora_rank: int = 0,
     micro_batch: int | None = None,
     pretrained: bool = False,
+    savers: SaverTerms | None = None,
 ) -> Setup:
     """Read the memory-relevant keys of a DeepSpeed config; "auto" sizes get HF's hidden-size rules."""
     zero = ds.get("zero_optimization", {})
@@ -329,6 +376,7 @@ def setup_from_ds_config(
         lora_rank=lora_rank,
         zero=knobs,
         pretrained=pretrained,
+        savers=savers or SaverTerms(),
     )
 
 
@@ -429,14 +477,28 @@ def _attention_per_token(a: Arch, setup: Setup) -> int:
     return body
 
 
-def _mlp_per_token(a: Arch, moe: bool) -> int:
-    """SwiGLU: input 2h, gate output 2i (SiLU input), SiLU output 2i, up output 2i, down input 2i."""
+def _mlp_per_token(a: Arch, moe: bool, tiled: bool = False) -> int:
+    """SwiGLU: input 2h, gate output 2i (SiLU input), SiLU output 2i, up output 2i, down input 2i. ``tiled``
+    (TiledMLP): the dense MLP and the shared experts save only their input; one tile's 8i is ``mlp_tile_bytes``."""
     if not moe:
-        return 2 * a.hidden + 8 * a.intermediate
+        return 2 * a.hidden + (0 if tiled else 8 * a.intermediate)
     k = a.experts_per_token
     router = 4 * a.hidden + 4 * a.experts  # fp32 router input and sigmoid/softmax scores
     routed = k * (4 * a.hidden + 8 * a.moe_intermediate)  # each token's copy per chosen expert, in and out
-    return 2 * a.hidden + router + routed + 8 * a.shared_intermediate
+    shared = 2 * a.hidden if tiled else 8 * a.shared_intermediate
+    return 2 * a.hidden + router + routed + shared
+
+
+def mlp_tile_bytes(stats: ModelStats, setup: Setup) -> int:
+    """16-bit bytes of one MLP tile recomputed in backward under TiledMLP (0 untiled): its intermediates (8i per
+    token), its input gradient buffer (zeros of the whole input, 2h per token) and the tile's output gradient."""
+    a, tokens = stats.arch, setup.micro_batch * setup.seq_len
+    tiles = setup.savers.mlp_tiles(a, setup.seq_len)
+    if tiles <= 1:
+        return 0
+    tile = -(-setup.seq_len // tiles) * setup.micro_batch
+    width = max(a.intermediate if len(stats.moe_mask) != sum(stats.moe_mask) else 0, a.shared_intermediate)
+    return tile * (8 * width + 2 * a.hidden) + 2 * a.hidden * tokens
 
 
 def layer_activation_bytes(stats: ModelStats, setup: Setup) -> list[int]:
@@ -444,8 +506,9 @@ def layer_activation_bytes(stats: ModelStats, setup: Setup) -> list[int]:
     a, tokens = stats.arch, setup.micro_batch * setup.seq_len
     lora = 2 * setup.lora_rank * len(stats.lora_shapes) // max(a.layers, 1) if setup.lora_rank else 0
     common = 2 * _norm(a.hidden) + _attention_per_token(a, setup) + lora
-    dense = common + _mlp_per_token(a, moe=False)
-    moe = common + _mlp_per_token(a, moe=True)
+    tiled = setup.savers.mlp_tiles(a, setup.seq_len) > 1
+    dense = common + _mlp_per_token(a, moe=False, tiled=tiled)
+    moe = common + _mlp_per_token(a, moe=True, tiled=tiled)
     router_weight = 4 * a.experts * a.hidden  # fp32 copy of the router weight, saved per MoE layer
     mask = stats.moe_mask or (False,) * (a.layers - a.moe_layers) + (True,) * a.moe_layers
     return [moe * tokens + router_weight if is_moe else dense * tokens for is_moe in mask]
@@ -463,25 +526,50 @@ def activation_bytes(
 
     ``layers`` (default all) and ``head`` (final norm + lm_head input) say what this rank or card holds;
     ``in_flight`` micro-batches keep theirs at once (a pipeline stage); checkpointing every ``interval`` layers
-    (default: 1 when ``setup.checkpointing``) keeps each chunk's input and recomputes one chunk at a time.
+    (default: 1 when ``setup.checkpointing``) keeps each chunk's input and recomputes one chunk at a time; with
+    ``setup.savers.offload`` those inputs live in host memory (``offloaded_bytes``) and the card holds the one being
+    recomputed. A tiled MLP adds one tile's recompute (``mlp_tile_bytes``).
     """
     a, tokens = stats.arch, setup.micro_batch * setup.seq_len
     per_layer = layer_activation_bytes(stats, setup)
     held = [per_layer[i] for i in (layers if layers is not None else range(len(per_layer)))]
     interval = (1 if setup.checkpointing else 0) if interval is None else interval
     if interval and held:  # only each chunk's input survives; one chunk is recomputed at a time
-        body = in_flight * -(-len(held) // interval) * 2 * a.hidden * tokens + sum(sorted(held)[-interval:])
+        chunks = 1 if setup.savers.offload else in_flight * -(-len(held) // interval)
+        body = chunks * 2 * a.hidden * tokens + sum(sorted(held)[-interval:])
     else:
         body = in_flight * sum(held)
+    body += mlp_tile_bytes(stats, setup) if held else 0
     final = (_norm(a.hidden) + 2 * a.hidden) * tokens if head else 0  # final norm + lm_head input
     scale = 2 if setup.precision == "fp32" else 1
     return scale * (body + final)
 
 
+def offloaded_bytes(stats: ModelStats, setup: Setup) -> int:
+    """Host bytes of one rank's checkpointed layer inputs under ``savers.offload`` (16-bit [tokens × hidden] per
+    layer; 0 without checkpointing or offload)."""
+    if not (setup.savers.offload and setup.checkpointing):
+        return 0
+    a = stats.arch
+    return setup.bytes_per_value * a.layers * a.hidden * setup.micro_batch * setup.seq_len
+
+
 def logits_bytes(stats: ModelStats, setup: Setup) -> int:
-    """16-bit logits (2) + fp32 log-softmax kept for the loss (4) + two fp32 gradients in its backward (8)."""
-    per_value = 14 if setup.precision != "fp32" else 16
-    return per_value * setup.micro_batch * setup.seq_len * stats.arch.vocab
+    """The loss's working set over the LM head.
+
+    Untiled: 16-bit logits (2) + fp32 log-softmax kept for the loss (4) + two fp32 gradients in its backward (8)
+    per [tokens × vocab] value; in fp32 the logits are freed after the forward: 12 (measured on the CPU,
+    bench/long_context.py). Tiled (``savers.loss_tiles``): the same per value of one tile of ceil(tokens /
+    tiles) rows, plus the fp32 grad_weight buffer [V × H] and each tile's [V × H] matmul output (16-bit and its
+    fp32 upcast), the per-token fp32 log-sum-exp and the [tokens × hidden] hidden-state gradient.
+    """
+    a, tokens, p = stats.arch, setup.micro_batch * setup.seq_len, setup.bytes_per_value
+    per_value = 14 if p == 2 else 12
+    if not setup.savers.loss_tiles:
+        return per_value * tokens * a.vocab
+    rows = -(-tokens // setup.savers.loss_tiles)
+    grad_weight = (4 + p + (4 if p == 2 else 0)) * a.vocab * a.hidden
+    return per_value * rows * a.vocab + grad_weight + 4 * tokens + p * tokens * a.hidden
 
 
 # -------------------------------------------------------------------------------------------- estimate
@@ -627,6 +715,7 @@ def host_bytes(stats: ModelStats, setup: Setup, rs: RankStates) -> tuple[int, in
         host_states += n * (ADAM_K + 4 + p) * rs.optimizer
     if setup.offload_params:
         host_states += n * p * (rs.params - rs.persistent)
+    host_states += procs * offloaded_bytes(stats, setup)
     load_bytes = p if setup.pretrained else 4
     zero3 = setup.layout is None and setup.stage == 3  # partitions module by module while loading
     load = procs * load_bytes * (stats.largest_module if zero3 else stats.total)
@@ -679,6 +768,30 @@ def max_micro_batch(stats: ModelStats, setup: Setup, gpu_mem: float, cpu_mem: fl
     return lo
 
 
+def _micro1_setup(
+    ds: dict[str, Any],
+    stats: ModelStats,
+    world_size: int,
+    seq_len: int,
+    checkpointing: bool,
+    lora_rank: int,
+    pretrained: bool,
+    savers: SaverTerms,
+) -> Setup:
+    """A preset's Setup at micro-batch 1 (what ``recommend`` and the longest-sequence search start from)."""
+    return setup_from_ds_config(
+        ds,
+        world_size=world_size,
+        seq_len=seq_len,
+        hidden_size=stats.arch.hidden,
+        checkpointing=checkpointing,
+        lora_rank=lora_rank,
+        micro_batch=1,
+        pretrained=pretrained,
+        savers=savers,
+    )
+
+
 @dataclass(frozen=True)
 class Recommendation:
     preset: str
@@ -696,26 +809,148 @@ def recommend(
     lora_rank: int = 0,
     presets: Sequence[str] = PRESET_ORDER,
     pretrained: bool = True,
+    savers: SaverTerms | None = None,
 ) -> Recommendation | None:
-    """First preset (fastest first) that fits at micro-batch 1, preferring no activation checkpointing."""
+    """First preset (fastest first) that fits at micro-batch 1, preferring no activation checkpointing; ``savers``
+    None = train.py's defaults (the tiled loss)."""
+    savers = SaverTerms.choose(stats.arch) if savers is None else savers
     for name in presets:
         ds = load_preset(name)
         for ckpt in (False, True):
-            setup = setup_from_ds_config(
-                ds,
-                world_size=world_size,
-                seq_len=seq_len,
-                hidden_size=stats.arch.hidden,
-                checkpointing=ckpt,
-                lora_rank=lora_rank,
-                micro_batch=1,
-                pretrained=pretrained,
-            )
+            setup = _micro1_setup(ds, stats, world_size, seq_len, ckpt, lora_rank, pretrained, savers)
             mb = max_micro_batch(stats, setup, gpu_mem, cpu_mem)
             if mb:
                 setup = replace(setup, micro_batch=mb)
                 return Recommendation(name, setup, mb, estimate(stats, setup))
     return None
+
+
+# ------------------------------------------------------------------------------------ longest sequence
+
+
+SAVER_CHOICES: tuple[tuple[bool, bool, bool], ...] = (
+    (False, False, False),
+    (False, False, True),
+    (True, False, False),
+    (True, True, False),
+    (True, False, True),
+    (True, True, True),
+)
+"""(activation checkpointing, offloaded checkpoints, tiled MLP) the longest-sequence search tries, cheapest first."""
+
+
+@dataclass(frozen=True)
+class LongestSeq:
+    """The longest sequence one setup trains at micro-batch 1, and what it needs there."""
+
+    seq_len: int
+    preset: str
+    setup: Setup
+    estimate: Estimate
+
+    def label(self) -> str:
+        s, parts = self.setup, [f"`{self.preset}`"]
+        parts += ["checkpointing"] * s.checkpointing + ["offload"] * (s.checkpointing and s.savers.offload)
+        return " + ".join(parts + ["tiled MLP"] * s.savers.tiled_mlp + ["untiled loss"] * (not s.savers.loss_tiles))
+
+
+def longest_seq_len(
+    stats: ModelStats, setup: Setup, gpu_mem: float, cpu_mem: float | None, step: int = SEQ_STEP
+) -> int:
+    """Longest multiple of ``step`` (up to ``MAX_SEQ_SEARCH``) at which ``setup`` fits; 0 if ``step`` does not
+    (memory grows with the sequence: bisect)."""
+    lo, hi = 0, MAX_SEQ_SEARCH // step
+    while lo < hi:
+        mid = (lo + hi + 1) // 2
+        if estimate(stats, replace(setup, seq_len=mid * step)).fits(gpu_mem, cpu_mem):
+            lo = mid
+        else:
+            hi = mid - 1
+    return lo * step
+
+
+def longest_sequences(
+    stats: ModelStats,
+    world_size: int,
+    gpu_mem: float,
+    cpu_mem: float | None,
+    lora_rank: int = 0,
+    pretrained: bool = True,
+    tiled_loss: bool = True,
+    choices: Sequence[tuple[bool, bool, bool]] = SAVER_CHOICES,
+) -> list[LongestSeq]:
+    """The longest sequence of every preset × ``choices`` (checkpointing, offload, tiled MLP) at micro-batch 1."""
+    out = []
+    for name in PRESET_ORDER:
+        ds = load_preset(name)
+        for ckpt, offload, mlp in choices:
+            savers = SaverTerms.choose(stats.arch, tiled_loss, offload, mlp)
+            setup = _micro1_setup(ds, stats, world_size, SEQ_STEP, ckpt, lora_rank, pretrained, savers)
+            n = longest_seq_len(stats, setup, gpu_mem, cpu_mem)
+            setup = replace(setup, seq_len=max(n, SEQ_STEP))
+            out.append(LongestSeq(n, name, setup, estimate(stats, setup)))
+    return out
+
+
+def longest_sequence(
+    stats: ModelStats, world_size: int, gpu_mem: float, cpu_mem: float | None, **kw: Any
+) -> LongestSeq | None:
+    """The setup that trains the longest sequence (the first, fastest, of equals); None if none trains ``SEQ_STEP``."""
+    best = max(longest_sequences(stats, world_size, gpu_mem, cpu_mem, **kw), key=lambda r: r.seq_len)
+    return best if best.seq_len else None
+
+
+def _seq_cell(best: LongestSeq | None, arch: Arch) -> str:
+    if best is None:
+        return f"under {SEQ_STEP:,}"
+    n = f"≥ {best.seq_len:,}" if best.seq_len >= MAX_SEQ_SEARCH else f"{best.seq_len:,}"
+    context = f", over the {arch.max_positions:,}-token context" if best.seq_len > arch.max_positions > 0 else ""
+    return f"{n} ({best.label()}{context})"
+
+
+def render_longest(
+    stats: ModelStats, world_size: int, gpu_mem_gb: float, cpu_mem_gb: float, lora_rank: int, **kw: Any
+) -> str:
+    """``--max-seq-len``: the longest sequence of every preset and saver choice, full and LoRA, and the limit."""
+    gpu_mem, cpu_mem = gpu_mem_gb * GiB, cpu_mem_gb * GiB
+    full = longest_sequences(stats, world_size, gpu_mem, cpu_mem, **kw)
+    lora = longest_sequences(stats, world_size, gpu_mem, cpu_mem, lora_rank=lora_rank, **kw)
+    lines = [
+        f"{stats.name}: longest sequence at micro-batch 1 on {world_size} × {gpu_mem_gb:g} GiB, host {cpu_mem_gb:g} "
+        f"GiB (multiples of {SEQ_STEP}; model context {stats.arch.max_positions:,})",
+        "",
+    ]
+    rows = [
+        [
+            r.preset,
+            "on" if r.setup.checkpointing else "off",
+            "on" if r.setup.savers.offload else "off",
+            "on" if r.setup.savers.tiled_mlp else "off",
+            f"{r.seq_len:,}",
+            f"{q.seq_len:,}",
+        ]
+        for r, q in zip(full, lora, strict=True)
+    ]
+    headers = ["preset", "ckpt", "offload", "tiled MLP", "full", f"LoRA r{lora_rank}"]
+    lines += [format_table(headers, rows, [False] * 4 + [True] * 2), ""]
+    for what, runs in (("full fine-tuning", full), (f"LoRA r{lora_rank}", lora)):
+        best = max(runs, key=lambda r: r.seq_len)
+        if not best.seq_len:
+            lines.append(f"Longest for {what}: nothing trains {SEQ_STEP} tokens.")
+            continue
+        over = estimate(stats, replace(best.setup, seq_len=best.seq_len + SEQ_STEP))
+        lines.append(
+            f"Longest for {what}: {_seq_cell(best, stats.arch)}; at {over.setup.seq_len:,}: {_breakdown(over)}"
+        )
+    return "\n".join(lines)
+
+
+def _breakdown(e: Estimate) -> str:
+    return (
+        f"GPU {_gib(e.gpu_total)} GiB (params {_gib(e.params)}, grads {_gib(e.grads)}, optimizer {_gib(e.optimizer)}, "
+        f"activations {_gib(e.activations)}, logits {_gib(e.logits)}, buffers {_gib(e.buffers)}, step {_gib(e.step)}, "
+        f"CUDA+fragmentation {_gib(e.other)}), host {_gib(e.host)} GiB"
+    )
 
 
 # ------------------------------------------------------------------------------------------ the table
@@ -734,7 +969,13 @@ TABLE_ROWS: tuple[tuple[int, bool, bool, str], ...] = (
 
 
 def table_setups(
-    stats: ModelStats, world_size: int, seq_len: int, micro_batch: int, lora_rank: int, pretrained: bool = True
+    stats: ModelStats,
+    world_size: int,
+    seq_len: int,
+    micro_batch: int,
+    lora_rank: int,
+    pretrained: bool = True,
+    savers: SaverTerms | None = None,
 ) -> list[Setup]:
     """Every stage × offload × {full, LoRA} × {checkpointing off, on} combination."""
     out = []
@@ -756,6 +997,7 @@ def table_setups(
                         lora_rank=lora,
                         micro_batch=micro_batch,
                         pretrained=pretrained,
+                        savers=SaverTerms.choose(stats.arch) if savers is None else savers,
                     )
                 )
     return out
@@ -783,6 +1025,7 @@ def render(stats: ModelStats, world_size: int, gpu_mem_gb: float, cpu_mem_gb: fl
     """The planner's full report: model summary, table, recommendation."""
     micro_batch, lora_rank = kw.get("micro_batch", 1), kw.get("lora_rank", LORA_RANK)
     pretrained = kw.get("pretrained", True)
+    savers = kw.get("savers") or SaverTerms.choose(stats.arch)
     gpu_mem, cpu_mem = gpu_mem_gb * GiB, cpu_mem_gb * GiB
     a = stats.arch
     moe = f", MoE {a.moe_layers}/{a.layers} layers, {a.experts_per_token} of {a.experts} experts" if a.experts else ""
@@ -792,7 +1035,8 @@ def render(stats: ModelStats, world_size: int, gpu_mem_gb: float, cpu_mem_gb: fl
         f"{_count(stats.embedding)} embedding+lm_head), {a.layers} layers, hidden {a.hidden}, vocab {a.vocab}{mla}{moe}",
         f"{world_size} GPUs × {gpu_mem_gb:g} GiB, host RAM {cpu_mem_gb:g} GiB, seq len {seq_len}, micro-batch "
         f"{micro_batch}, LoRA rank {lora_rank} on {len(stats.lora_shapes)} linears "
-        f"({_count(sum(stats.lora_numels(lora_rank)))} trainable).",
+        f"({_count(sum(stats.lora_numels(lora_rank)))} trainable). Memory savers: {savers.label()} (offload: "
+        "checkpointed rows only).",
         "GiB per card (busiest rank); bf16 and fp16 hold the same bytes (16-bit weights/grads/activations, fp32 "
         "master + Adam m, v), so each row is both.",
         "",
@@ -800,7 +1044,7 @@ def render(stats: ModelStats, world_size: int, gpu_mem_gb: float, cpu_mem_gb: fl
     headers = ["ZeRO", "offload", "train", "ckpt", "params", "grads", "optim", "activ", "logits", "buffers"]
     headers += ["GPU", "host", "fits", "max mb"]
     rows = []
-    for setup in table_setups(stats, world_size, seq_len, micro_batch, lora_rank, pretrained):
+    for setup in table_setups(stats, world_size, seq_len, micro_batch, lora_rank, pretrained, savers):
         e = estimate(stats, setup)
         gpu_ok, host_ok = e.gpu_total <= gpu_mem, e.host <= cpu_mem
         mark = "✓" if gpu_ok and host_ok else "✗ GPU" if not gpu_ok else "✗ host"
@@ -828,7 +1072,9 @@ def render(stats: ModelStats, world_size: int, gpu_mem_gb: float, cpu_mem_gb: fl
         f"host = whole machine ({'pretrained weights load in the training dtype' if pretrained else 'random init: built in fp32'}). max mb = largest micro-batch that fits.",
     ]
     for what, rank in (("full fine-tuning", 0), (f"LoRA r{lora_rank}", lora_rank)):
-        rec = recommend(stats, world_size, seq_len, gpu_mem, cpu_mem, lora_rank=rank, pretrained=pretrained)
+        rec = recommend(
+            stats, world_size, seq_len, gpu_mem, cpu_mem, lora_rank=rank, pretrained=pretrained, savers=savers
+        )
         lines.append(_recommendation_line(what, rec, gpu_mem_gb))
     return "\n".join(lines)
 
@@ -856,14 +1102,23 @@ def _fit_cell(rec: Recommendation | None, full: bool) -> str:
 def fit_table(world_size: int, gpu_mem_gb: float, cpu_mem_gb: float, seq_len: int, lora_rank: int = LORA_RANK) -> str:
     """README's "which preset fits" table: one row per preset naming a checkpoint, from ``recommend``."""
     gpu_mem, cpu_mem = gpu_mem_gb * GiB, cpu_mem_gb * GiB
-    rows = ["| model | full fine-tune | LoRA r16 |", "|---|---|---|"]
+    box = f"{world_size}× {gpu_mem_gb:g} GB"
+    rows = [
+        f"| model | full fine-tune | LoRA r{lora_rank} | longest sequence on {box}, full | "
+        f"longest sequence on {box}, LoRA r{lora_rank} |",
+        "|---|---|---|---|---|",
+    ]
     for name, preset in PRESETS.items():
         if preset.hub_id is None:
             continue
         stats = model_stats(preset.config(), name)
         full = recommend(stats, world_size, seq_len, gpu_mem, cpu_mem)
         lora = recommend(stats, world_size, seq_len, gpu_mem, cpu_mem, lora_rank=lora_rank)
-        rows.append(f"| {name} | {_fit_cell(full, True)} | {_fit_cell(lora, False)} |")
+        longest = [
+            _seq_cell(longest_sequence(stats, world_size, gpu_mem, cpu_mem, lora_rank=rank), stats.arch)
+            for rank in (0, lora_rank)
+        ]
+        rows.append(f"| {name} | {_fit_cell(full, True)} | {_fit_cell(lora, False)} | {' | '.join(longest)} |")
     return "\n".join(rows)
 
 
@@ -910,10 +1165,11 @@ def run_setup(
     seq_len: int,
     world_size: int,
     pretrained: bool,
+    savers: SaverTerms | None = None,
 ) -> Setup:
     """The Setup a run trains with, from what its RunPlan decided: the engine settings (layout, LoRA, gradient
-    checkpointing), the resolved config's precision and batch, pretrained or random init. ``cfg.ds`` is read only
-    for the ZeRO sizes DeepSpeed is given."""
+    checkpointing), the resolved config's precision and batch, pretrained or random init, the memory savers
+    (``SaverTerms.of(plan.savers)``; None: none). ``cfg.ds`` is read only for the ZeRO sizes DeepSpeed is given."""
     from deepzero.engines import LayerSplitSettings, PipelineSettings, ZeroSettings
     from deepzero.engines.layer_split import parse_devices
 
@@ -924,6 +1180,7 @@ def run_setup(
         hidden_size=config.hidden_size,
         micro_batch=cfg.batch.micro,
         pretrained=pretrained,
+        savers=savers,
     )
     base = replace(base, precision=cfg.precision, accum=cfg.batch.accum)
     if isinstance(engine, ZeroSettings):
@@ -936,6 +1193,7 @@ def run_setup(
     if isinstance(engine, LayerSplitSettings):
         cuts = layer_split_cuts(config, parse_devices(engine.devices), seq_len, cfg.batch.micro)
         return Setup(
+            savers=base.savers,
             stage=0,
             world_size=1,
             micro_batch=cfg.batch.micro,
@@ -958,6 +1216,7 @@ def check_fit(
     pretrained: bool,
     gpu_mem_gb: float | None = None,
     cpu_mem_gb: float | None = None,
+    savers: SaverTerms | None = None,
 ) -> str | None:
     """A one-line warning when the planned run will not fit the cards (or host RAM), else None.
 
@@ -973,7 +1232,7 @@ def check_fit(
         cpu_mem_gb = detected_cpu_mem_gb()
     gpu_mem, cpu_mem = gpu_mem_gb * GiB, cpu_mem_gb * GiB if cpu_mem_gb else None
     try:
-        setup = run_setup(model_config, engine, cfg, seq_len, world_size, pretrained)
+        setup = run_setup(model_config, engine, cfg, seq_len, world_size, pretrained, savers)
         name = getattr(model_config, "name_or_path", "") or "model"
         stats = model_stats(model_config, name, lora=getattr(engine, "lora", None))
     except UserError:
@@ -1021,7 +1280,16 @@ def _advice(stats: ModelStats, setup: Setup, gpu_mem: float, cpu_mem: float | No
     if isinstance(layout, LayerSplitLayout):
         return "split over more cards (--device-map-devices), or use a ZeRO preset with LoRA or offload."
     n = setup.world_size
-    rec = recommend(stats, n, setup.seq_len, gpu_mem, cpu_mem, lora_rank=setup.lora_rank, pretrained=setup.pretrained)
+    rec = recommend(
+        stats,
+        n,
+        setup.seq_len,
+        gpu_mem,
+        cpu_mem,
+        lora_rank=setup.lora_rank,
+        pretrained=setup.pretrained,
+        savers=setup.savers,
+    )
     if rec is None:
         return "no ds_configs preset fits: use LoRA, a smaller model, shorter sequences or more cards."
     ckpt = " with gradient checkpointing" if rec.setup.checkpointing else ""
@@ -1041,6 +1309,14 @@ def main(argv: Sequence[str] | None = None) -> int:
     parser.add_argument("--seq-len", type=int, default=2048)
     parser.add_argument("--micro-batch", type=int, default=1, help="micro-batch the table is computed for")
     parser.add_argument("--lora-rank", type=int, default=LORA_RANK, help="rank for the LoRA rows")
+    parser.add_argument("--tiled-loss", choices=("on", "off"), default="on", help="as train.py: the LM loss in tiles")
+    parser.add_argument(
+        "--activation-offload", action="store_true", help="as train.py: checkpointed hidden states in host memory"
+    )
+    parser.add_argument("--tiled-mlp", choices=("on", "off"), default="off", help="as train.py: MLPs in sequence tiles")
+    parser.add_argument(
+        "--max-seq-len", action="store_true", help="the longest sequence of every preset and saver choice (micro 1)"
+    )
     args = parser.parse_args(argv)
     for flag, value in (("--gpus", args.gpus), ("--seq-len", args.seq_len), ("--micro-batch", args.micro_batch)):
         if value < 1:
@@ -1058,6 +1334,12 @@ def main(argv: Sequence[str] | None = None) -> int:
     except UserError as err:
         print(f"error: {err}", file=sys.stderr)
         return 2
+    pretrained = not (args.model in PRESETS and PRESETS[args.model].hub_id is None)
+    if args.max_seq_len:
+        kw = {"pretrained": pretrained, "tiled_loss": args.tiled_loss == "on"}
+        print(render_longest(stats, args.gpus, args.gpu_mem, args.cpu_mem, args.lora_rank, **kw))
+        return 0
+    savers = SaverTerms.choose(stats.arch, args.tiled_loss == "on", args.activation_offload, args.tiled_mlp == "on")
     print(
         render(
             stats,
@@ -1067,7 +1349,8 @@ def main(argv: Sequence[str] | None = None) -> int:
             args.seq_len,
             micro_batch=args.micro_batch,
             lora_rank=args.lora_rank,
-            pretrained=not (args.model in PRESETS and PRESETS[args.model].hub_id is None),
+            pretrained=pretrained,
+            savers=savers,
         )
     )
     return 0

@@ -384,3 +384,103 @@ def test_gpu_bench_exits_cleanly_without_cuda() -> None:
     )
     assert proc.returncode == 0, proc.stderr[-2000:]
     assert "no CUDA device" in proc.stdout
+
+
+# ------------------------------------------------------------------------------------ long sequences
+
+
+@pytest.fixture(scope="module")
+def qwen() -> plan.ModelStats:
+    return model_stats(PRESETS["deepseek-r1-distill-qwen-1.5b"].config(), "deepseek-r1-distill-qwen-1.5b")
+
+
+def _run_savers(config: object, seq_len: int, **flags: object) -> plan.SaverTerms:
+    """SaverTerms of the MemorySavers train.py's planning step chooses for these flags."""
+    from argparse import Namespace
+
+    from deepzero.memory_savers import MemorySavers
+
+    defaults = {"tiled_loss": "on", "gradient_checkpointing": False, "activation_offload": False, "tiled_mlp": "1"}
+    args = Namespace(**{**defaults, **flags, "device_map": None})
+    return plan.SaverTerms.of(MemorySavers.choose(args, config, seq_len, pipeline=False))
+
+
+def test_tiled_loss_removes_the_tokens_by_vocab_term(qwen: plan.ModelStats) -> None:
+    """R1-Distill-Qwen-1.5B at 16k, bf16: the whole logits cost 32.5 GiB; the tiled loss (99 tiles, train.py's
+    default) 2.5 GiB, of which 2.2 GiB is the [V × H] fp32 grad_weight buffer and each tile's matmul output."""
+    v, h, s = 151_936, 1536, 16_384
+    terms = _run_savers(PRESETS["deepseek-r1-distill-qwen-1.5b"].config(), s)
+    assert terms == plan.SaverTerms(loss_tiles=math.ceil(v / h)) == plan.SaverTerms.choose(qwen.arch)
+    untiled = Setup(stage=2, world_size=N, seq_len=s)
+    tiled = replace(untiled, savers=terms)
+    assert gib(plan.logits_bytes(qwen, untiled)) == 32.5
+    assert gib(plan.logits_bytes(qwen, tiled)) == 2.5
+    assert plan.logits_bytes(qwen, tiled) == 14 * math.ceil(s / 99) * v + 10 * v * h + 4 * s + 2 * s * h
+    # per added token the tiled loss grows by a tile row's share, not by a [1 × vocab] row of fp32 tensors
+    grow = plan.logits_bytes(qwen, replace(tiled, seq_len=2 * s)) - plan.logits_bytes(qwen, tiled)
+    assert grow < 0.02 * (plan.logits_bytes(qwen, replace(untiled, seq_len=2 * s)) - plan.logits_bytes(qwen, untiled))
+    off = _run_savers(PRESETS["deepseek-r1-distill-qwen-1.5b"].config(), s, tiled_loss="off")
+    assert off == plan.SaverTerms() and plan.logits_bytes(qwen, replace(untiled, savers=off)) == 14 * s * v
+
+
+def test_offload_moves_the_checkpointed_hidden_states_to_host(qwen: plan.ModelStats) -> None:
+    """--activation-offload: the 28 checkpointed layer inputs (2 B × hidden per token each) leave the card but
+    the one being recomputed, and every rank's copies are host RAM (3 ranks × 28 × 2 × 1536 × 32k = 7.9 GiB)."""
+    s, layers, h = 32_768, 28, 1536
+    config = PRESETS["deepseek-r1-distill-qwen-1.5b"].config()
+    ckpt = Setup(stage=2, world_size=N, seq_len=s, checkpointing=True, savers=_run_savers(config, s))
+    offload = replace(ckpt, savers=_run_savers(config, s, gradient_checkpointing=True, activation_offload=True))
+    assert offload.savers.offload and not ckpt.savers.offload
+    on_card = plan.activation_bytes(qwen, ckpt) - plan.activation_bytes(qwen, offload)
+    assert on_card == (layers - 1) * 2 * h * s
+    moved = estimate(qwen, offload).host_states - estimate(qwen, ckpt).host_states
+    assert moved == N * layers * 2 * h * s and gib(moved) == 7.9
+    no_ckpt = replace(offload, checkpointing=False)  # nothing is checkpointed, so nothing moves
+    assert plan.offloaded_bytes(qwen, no_ckpt) == 0
+
+
+def test_tiled_mlp_keeps_one_tiles_intermediates(qwen: plan.ModelStats) -> None:
+    """--tiled-mlp on at 32k (ceil(32768 / 1536) = 22 tiles): the recomputed layer keeps its MLP input, and one
+    tile's intermediates (8 B × 8960 per token) live instead of the whole sequence's."""
+    s, i, h = 32_768, 8960, 1536
+    config = PRESETS["deepseek-r1-distill-qwen-1.5b"].config()
+    ckpt = Setup(stage=2, world_size=N, seq_len=s, checkpointing=True, savers=_run_savers(config, s))
+    mlp = replace(ckpt, savers=_run_savers(config, s, gradient_checkpointing=True, tiled_mlp="on"))
+    assert mlp.savers.mlp_tiles(qwen.arch, s) == 22
+    tile = math.ceil(s / 22)
+    saved = plan.activation_bytes(qwen, ckpt) - plan.activation_bytes(qwen, mlp)
+    assert saved == 8 * i * s - (tile * (8 * i + 2 * h) + 2 * h * s)
+
+
+@pytest.mark.parametrize(
+    ("model", "lora", "before", "after"),
+    [
+        ("deepseek-r1-distill-qwen-1.5b", 0, 9216, 258_048),
+        ("deepseek-r1-distill-qwen-7b", 16, 8192, 83_968),
+        ("deepseek-r1-distill-llama-8b", 16, 9216, 74_752),
+    ],
+)
+def test_longest_sequence_meets_the_long_context_goal(model: str, lora: int, before: int, after: int) -> None:
+    """Issue 23 item 4 on 3 × 24 GiB cards and 128 GiB host, micro-batch 1: R1-Distill-Qwen-1.5B full fine-tune
+    and R1-Distill-Qwen-7B / Llama-8B LoRA r16 at 32,768 tokens or more. Before (untiled loss, checkpointing the
+    only saver) 8-9k; with the tiled loss, offloaded checkpoints and the tiled MLP under zero3_offload, 75-258k."""
+    stats = model_stats(PRESETS[model].config(), model)
+    gpu, cpu = 24 * GiB, 128 * GiB
+    only_ckpt = ((False, False, False), (True, False, False))
+    old = plan.longest_sequence(stats, N, gpu, cpu, lora_rank=lora, tiled_loss=False, choices=only_ckpt)
+    new = plan.longest_sequence(stats, N, gpu, cpu, lora_rank=lora)
+    assert old is not None and new is not None
+    assert (old.seq_len, new.seq_len) == (before, after)
+    assert new.seq_len >= 32_768 and new.preset == "zero3_offload"
+    assert new.setup.savers.offload and new.setup.savers.tiled_mlp and new.setup.savers.loss_tiles
+    assert estimate(stats, replace(new.setup, seq_len=after)).fits(gpu, cpu)
+    assert not estimate(stats, replace(new.setup, seq_len=after + plan.SEQ_STEP)).fits(gpu, cpu)
+
+
+def test_cli_max_seq_len(capsys: pytest.CaptureFixture[str]) -> None:
+    assert plan.main(["--model", "deepseek-coder-1.3b", "--max-seq-len"]) == 0
+    out = capsys.readouterr().out
+    assert len([line for line in out.splitlines() if line.startswith("zero")]) == 5 * len(plan.SAVER_CHOICES)
+    assert "Longest for full fine-tuning: " in out and "over the 16,384-token context" in out
+    assert plan.main(["--model", "deepseek-coder-1.3b", "--tiled-loss", "off", "--tiled-mlp", "on"]) == 0
+    assert "Memory savers: untiled loss + tiled MLP" in capsys.readouterr().out
