@@ -6,10 +6,12 @@
 The ds_config is resolved by deepzero.dsconfig first (comments dropped, batch keys and every "auto" filled), and the
 ``TrainingArguments`` are set to the same values, because HF's own "auto" resolution (``fill_match``) raises on any
 mismatch between the two. The Trainer keeps its own defaults otherwise (its data loader with a distributed random
-sampler over the same rows, so batch shapes are identical; its NaN filter; its token averaging across ranks): this
-is the loop a user of HF Trainer gets. A callback records the host time at every ``on_step_begin`` and
-``on_step_end``; rank 0 writes train.py-shaped ``{"kind": "train", "step", "time"}`` records to
-``<out>/metrics.jsonl`` every ``--log-interval`` steps.
+sampler over the same rows, so batch shapes are identical; its NaN filter; its token averaging across ranks,
+``average_tokens_across_devices``: each step's target count gathered from every rank, the same all-reduce train.py
+and the bare loop do): this is the loop a user of HF Trainer gets. Like the bare loop it runs no MoE balancing and
+computes the model's own (untiled) loss, so bench/compare_loops.py runs train.py with both off against it. A
+callback records the host time at every ``on_step_begin`` and ``on_step_end``; rank 0 writes train.py-shaped
+``{"kind": "train", "step", "time"}`` records to ``<out>/metrics.jsonl`` every ``--log-interval`` steps.
 """
 
 from __future__ import annotations
