@@ -29,7 +29,7 @@ from pathlib import Path
 import psutil
 import pytest
 import torch
-from conftest import REPO, cpu_env, fp16_env, free_port, launch, losses, records
+from conftest import REPO, bf16_precision, cpu_env, fp16_env, free_port, launch, losses, records
 from safetensors.torch import load_file
 
 from deepzero.checkpoint import latest_tag, published_tags, tag_for
@@ -144,9 +144,10 @@ def cleanup() -> Iterator[list[Job]]:
 
 
 def zero_files(tag_dir: Path, world: int, stage: int) -> set[str]:
-    """The files a complete checkpoint of ``world`` ranks holds (DeepSpeed's names plus our RNG files)."""
+    """The files a complete checkpoint of ``world`` ranks holds (DeepSpeed's names plus our RNG files). DeepSpeed
+    prefixes the optimizer files with bf16_ in a bf16 run: here the ZeRO-3 preset, where the CPU has native bf16."""
     names = {f"rng_rank{r:03d}.pt" for r in range(world)}
-    prefix = "bf16_" if stage == 3 else ""
+    prefix = "bf16_" if stage == 3 and bf16_precision() == "bf16" else ""
     names |= {f"{prefix}zero_pp_rank_{r}_mp_rank_00_optim_states.pt" for r in range(world)}
     if stage == 3:
         names |= {f"zero_pp_rank_{r}_mp_rank_00_model_states.pt" for r in range(world)}
