@@ -419,6 +419,7 @@ def validate(cfg: dict[str, Any]) -> list[str]:
     problems += _scalar_problems(cfg)
     if cfg.get("fp16", {}).get("enabled") and cfg.get("bf16", {}).get("enabled"):
         problems.append("both 'fp16.enabled' and 'bf16.enabled' are true (pick one)")
+    problems += _accumulation_problems(cfg)
     if opt := cfg.get("optimizer"):
         lr = opt.get("params", {}).get("lr")
         if lr != "auto" and not (_is_number(lr) and lr > 0):
@@ -450,6 +451,20 @@ def validate(cfg: dict[str, Any]) -> list[str]:
             if not unknown:
                 problems += _scheduler_value_problems(str(sched["type"]), params)
     return problems
+
+
+def _accumulation_problems(cfg: dict[str, Any]) -> list[str]:
+    """DeepSpeed accumulates 16-bit gradients in another dtype only inside a ZeRO optimizer (stage 1-3): stage 0
+    with fp16/bf16 and a different ``data_types.grad_accum_dtype`` ends in its NotImplementedError."""
+    sixteen = next((t for t in ("fp16", "bf16") if isinstance(cfg.get(t), dict) and cfg[t].get("enabled")), None)
+    accum = cfg.get("data_types", {}).get("grad_accum_dtype") if isinstance(cfg.get("data_types"), dict) else None
+    stage = cfg.get("zero_optimization", {}).get("stage", 0) if isinstance(cfg.get("zero_optimization"), dict) else 0
+    if sixteen and accum not in (None, sixteen) and stage == 0 and "pipeline" not in cfg:
+        return [
+            f"'data_types.grad_accum_dtype' {accum!r} with {sixteen} needs 'zero_optimization.stage' 1, 2 or 3"
+            " (DeepSpeed accumulates in another dtype only inside ZeRO; set the stage, or drop 'data_types')"
+        ]
+    return []
 
 
 def _adam_problems(params: dict[str, Any]) -> list[str]:

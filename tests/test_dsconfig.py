@@ -292,3 +292,11 @@ def test_plan_run_takes_the_random_init_presets_lr_only_where_the_json_says_auto
     with pytest.raises(UserError, match=r"'optimizer\.params\.lr' 0\.0005 \(--ds\) and 'scheduler\.params\.warmup"):
         plan("--ds", "optimizer.params.lr=5e-4", "scheduler.params.warmup_max_lr=1e-3")
     assert plan("--lr", "4e-4", "--ds", "scheduler.params.warmup_max_lr=1e-3") == ((4e-4, 4e-4), "--lr")
+
+
+def test_fp32_accumulation_of_16_bit_gradients_without_zero_is_one_line() -> None:
+    """DeepSpeed refuses bf16 weights with fp32 gradient accumulation at stage 0 (NotImplementedError on every
+    rank); the presets accumulate in fp32, so a user who turns ZeRO off gets the line instead."""
+    with pytest.raises(UserError, match=r"'data_types\.grad_accum_dtype' 'fp32' with bf16 needs 'zero_optimization"):
+        resolve("ds_configs/zero2_bf16.json", 3, HINTS, ["zero_optimization.stage=0"], kernels=NATIVE_16BIT)
+    resolve("ds_configs/zero2_bf16.json", 3, HINTS, ["zero_optimization.stage=1"], kernels=NATIVE_16BIT)
