@@ -850,7 +850,7 @@ class LongestSeq:
 
     def label(self) -> str:
         s, parts = self.setup, [f"`{self.preset}`"]
-        parts += ["checkpointing"] * s.checkpointing + ["offload"] * (s.checkpointing and s.savers.offload)
+        parts += ["ckpt"] * s.checkpointing + ["offload"] * (s.checkpointing and s.savers.offload)
         return " + ".join(parts + ["tiled MLP"] * s.savers.tiled_mlp + ["untiled loss"] * (not s.savers.loss_tiles))
 
 
@@ -904,7 +904,7 @@ def _seq_cell(best: LongestSeq | None, arch: Arch) -> str:
     if best is None:
         return f"under {SEQ_STEP:,}"
     n = f"≥ {best.seq_len:,}" if best.seq_len >= MAX_SEQ_SEARCH else f"{best.seq_len:,}"
-    context = f", over the {arch.max_positions:,}-token context" if best.seq_len > arch.max_positions > 0 else ""
+    context = f"; over the {arch.max_positions:,} context" if best.seq_len > arch.max_positions > 0 else ""
     return f"{n} ({best.label()}{context})"
 
 

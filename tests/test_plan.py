@@ -481,6 +481,6 @@ def test_cli_max_seq_len(capsys: pytest.CaptureFixture[str]) -> None:
     assert plan.main(["--model", "deepseek-coder-1.3b", "--max-seq-len"]) == 0
     out = capsys.readouterr().out
     assert len([line for line in out.splitlines() if line.startswith("zero")]) == 5 * len(plan.SAVER_CHOICES)
-    assert "Longest for full fine-tuning: " in out and "over the 16,384-token context" in out
+    assert "Longest for full fine-tuning: " in out and "over the 16,384 context" in out
     assert plan.main(["--model", "deepseek-coder-1.3b", "--tiled-loss", "off", "--tiled-mlp", "on"]) == 0
     assert "Memory savers: untiled loss + tiled MLP" in capsys.readouterr().out
