@@ -105,7 +105,7 @@ _TINY_V3 = dict(
     qk_rope_head_dim=16,
     qk_nope_head_dim=16,
     v_head_dim=32,
-    max_position_embeddings=1024,
+    max_position_embeddings=32768,  # RoPE without scaling: any length; make sft-long trains 4,096-token rows
     vocab_size=4096,
     tie_word_embeddings=False,
 )

@@ -70,7 +70,11 @@ def test_zero3_trains_the_same_with_and_without_the_tiled_loss(
     tiled, log = uninterrupted
     assert "loss: tiled over the LM head (4 token tiles per micro-batch" in log
     recorded = json.loads((tiled / "run_config.json").read_text())["memory_savers"]
-    assert recorded == {"loss": {"enabled": True, "tiles_per_vocab": 4}, "offload_checkpoints": False, "mlp_tiles": 0}
+    assert recorded == {
+        "loss": {"enabled": True, "tiles_per_vocab": 4, "min_tile_rows": 256},
+        "offload_checkpoints": False,
+        "mlp_tiles": 0,
+    }
     untiled = tmp_path / "untiled"
     proc = launch(args(tiny_data, untiled, "--max-steps", "2", "--tiled-loss", "off"))
     assert "loss: untiled" in proc.stdout

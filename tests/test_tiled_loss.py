@@ -67,7 +67,7 @@ def tiny(family: str) -> Any:
 @pytest.mark.parametrize("family", list(tiny_models()))
 def test_tiled_loss_and_gradients_equal_the_untiled_model(family: str) -> None:
     plain = tiny(family)
-    tiled = install_tiled_loss(copy.deepcopy(plain), TiledLoss(True, 7))
+    tiled = install_tiled_loss(copy.deepcopy(plain), TiledLoss(True, 7, min_tile_rows=1))
     micro = batches(plain.config.vocab_size)
     ref, got = loss_and_grads(plain, micro), loss_and_grads(tiled, micro)
     assert ref[0] > 0
@@ -77,7 +77,7 @@ def test_tiled_loss_and_gradients_equal_the_untiled_model(family: str) -> None:
 
 def test_the_layer_split_trains_with_the_tiled_loss() -> None:
     plain = tiny("deepseek_v3")
-    tiled = install_tiled_loss(copy.deepcopy(plain), TiledLoss(True, 6))
+    tiled = install_tiled_loss(copy.deepcopy(plain), TiledLoss(True, 6, min_tile_rows=1))
     ds = {"gradient_accumulation_steps": 1, "optimizer": {"type": "AdamW", "params": {"lr": 1e-3}}}
     engine = LayerSplitEngine(tiled, place_model(tiled, ["cpu", "cpu"], seq_len=40, micro_batch=2), ds)
     micro = batches(128)
@@ -86,7 +86,7 @@ def test_the_layer_split_trains_with_the_tiled_loss() -> None:
 
 
 def test_a_micro_batch_without_targets_adds_zero_loss_and_no_gradient() -> None:
-    model = install_tiled_loss(tiny("llama"), TiledLoss(True, 3))
+    model = install_tiled_loss(tiny("llama"), TiledLoss(True, 3, min_tile_rows=1))
     empty = batches(128)[1]
     loss, grads = loss_and_grads(model, [empty])
     assert loss == 0.0
@@ -95,7 +95,7 @@ def test_a_micro_batch_without_targets_adds_zero_loss_and_no_gradient() -> None:
 
 def test_without_labels_the_model_returns_its_logits() -> None:
     plain = tiny("deepseek_v3").eval()
-    tiled = install_tiled_loss(copy.deepcopy(plain), TiledLoss(True, 5))
+    tiled = install_tiled_loss(copy.deepcopy(plain), TiledLoss(True, 5, min_tile_rows=1))
     ids = torch.randint(0, 128, (1, 12))
     with torch.no_grad():
         assert torch.equal(tiled(input_ids=ids).logits, plain(input_ids=ids).logits)
@@ -109,7 +109,7 @@ def test_lora_gradients_equal_the_untiled_lora_model() -> None:
         if p.requires_grad:
             p.data.normal_(0, 0.02)
     tiled = copy.deepcopy(plain)
-    install_tiled_loss(tiled.get_base_model(), TiledLoss(True, 4))
+    install_tiled_loss(tiled.get_base_model(), TiledLoss(True, 4, min_tile_rows=1))
     micro = batches(128)
     assert_same(loss_and_grads(plain, micro), loss_and_grads(tiled, micro))
 
@@ -125,7 +125,7 @@ def test_the_pipeline_last_stage_tiles_the_loss(family: str) -> None:
     """The stages of a tiled model end in the hidden states; the pipeline's loss runs the LM head over them in
     tiles and gives the untiled stages' loss and gradients (and their logits for the export check)."""
     plain = tiny(family)
-    tiled = install_tiled_loss(copy.deepcopy(plain), TiledLoss(True, 3))
+    tiled = install_tiled_loss(copy.deepcopy(plain), TiledLoss(True, 3, min_tile_rows=1))
     batch = batches(128)[0]
     normalizer = loss_normalizer([batch], dp_size=1)
     results = []
@@ -144,3 +144,9 @@ def test_the_pipeline_last_stage_tiles_the_loss(family: str) -> None:
     with torch.no_grad():
         expected = plain(input_ids=batch["input_ids"], position_ids=batch["position_ids"], use_cache=False).logits
         assert torch.allclose(layers[-1].logits(last), expected, atol=1e-5)
+
+
+def test_tiles_are_never_cut_below_the_minimum_rows() -> None:
+    """Each tile reads and writes the whole [V × H] weight gradient: many tiny tiles would be memory-bound."""
+    choice = TiledLoss(True, 10)
+    assert [choice.tile_rows(n) for n in (5000, 1000, 100, 0)] == [500, 256, 100, 1]

@@ -43,7 +43,7 @@ from deepzero.dsconfig import BatchMath
 from deepzero.engines.base import Batch, DeepSpeedBacked, ModelFactory, draw, loss_normalizer
 from deepzero.errors import UserError
 from deepzero.export import ExportReport, attn_implementation_of, publish_and_compare
-from deepzero.losses import tiled_cross_entropy
+from deepzero.losses import TiledLoss, tiled_cross_entropy
 
 PARTITION_METHODS = ("parameters", "uniform")
 
@@ -178,22 +178,22 @@ class DecoderStage(nn.Module):
 
 
 class HeadStage(nn.Module):
-    """Last stage: final norm and LM head → logits ``[B, S, V]``; with the tiled loss (``tiles`` > 0) only the final
+    """Last stage: final norm and LM head → logits ``[B, S, V]``; with the tiled loss (``loss`` enabled) only the final
     norm → hidden states ``[B, S, H]``, and ``TokenMeanLoss`` runs the LM head over them in tiles."""
 
-    def __init__(self, norm: nn.Module, lm_head: nn.Module, tiles: int = 0) -> None:
+    def __init__(self, norm: nn.Module, lm_head: nn.Module, loss: TiledLoss | None = None) -> None:
         super().__init__()
         self.norm = norm
         self.lm_head = lm_head
-        self.tiles = tiles
+        self.tiled = loss if loss is not None and loss.enabled else None
 
     def forward(self, inputs: tuple[torch.Tensor, torch.Tensor]) -> torch.Tensor:
         hidden = self.norm(inputs[0])
-        return hidden if self.tiles else self.lm_head(hidden)
+        return hidden if self.tiled else self.lm_head(hidden)
 
     def logits(self, output: torch.Tensor) -> torch.Tensor:
         """The logits of this stage's ``output`` (the hidden states under the tiled loss)."""
-        return nn.functional.linear(output, self.lm_head.weight, self.lm_head.bias) if self.tiles else output
+        return nn.functional.linear(output, self.lm_head.weight, self.lm_head.bias) if self.tiled else output
 
 
 class TokenMeanLoss:
@@ -204,14 +204,14 @@ class TokenMeanLoss:
 
     def __init__(self, head: HeadStage | None = None) -> None:
         self.normalizer: torch.Tensor | None = None
-        self.head = head if head is not None and head.tiles else None
+        self.head = head if head is not None and head.tiled else None
 
     def __call__(self, output: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
         labels = labels.to(output.device)
         if self.head is not None:
             count = (labels != IGNORE_INDEX).sum().float().clamp(min=1)
             normalizer = count if self.normalizer is None else self.normalizer
-            return tiled_cross_entropy(output, self.head.lm_head.weight, labels, normalizer, self.head.tiles)
+            return tiled_cross_entropy(output, self.head.lm_head.weight, labels, normalizer, self.head.tiled)
         flat_logits, flat_labels = output.float().reshape(-1, output.shape[-1]), labels.reshape(-1)
         if self.normalizer is None:
             return F.cross_entropy(flat_logits, flat_labels, ignore_index=IGNORE_INDEX)
@@ -244,7 +244,7 @@ def to_pipeline_layers(model: nn.Module) -> list[nn.Module]:
     types += ["full_attention"] * (len(base.layers) - len(types))
     masks = StageMasks(config)  # one per model: in a pipeline, each rank's copy serves its own layers
     decoders = [DecoderStage(layer, base.rotary_emb, masks, types[i]) for i, layer in enumerate(base.layers)]
-    head = HeadStage(base.norm, model.lm_head, getattr(model, "_loss_tiles", 0))  # losses.install_tiled_loss's
+    head = HeadStage(base.norm, model.lm_head, getattr(model, "_tiled_loss", None))  # losses.install_tiled_loss
     return [EmbeddingStage(base.embed_tokens), *decoders, head]
 
 

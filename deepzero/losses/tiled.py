@@ -25,6 +25,7 @@ from torch import nn
 from transformers.modeling_outputs import CausalLMOutputWithPast
 
 IGNORE_INDEX = -100
+MIN_TILE_ROWS = 256
 
 
 @dataclass(frozen=True)
@@ -35,11 +36,21 @@ class TiledLoss:
     tiles_per_vocab: int = 0
     """Tiles per micro-batch target count: ceil(vocab / hidden), so a tile's logits are about the size of the
     hidden states ([tokens × hidden]) whatever the vocabulary (Liger's rule); 0 when off."""
+    min_tile_rows: int = MIN_TILE_ROWS
+    """No tile is cut smaller (unless the micro-batch has fewer targets): each tile reads and writes the whole
+    [vocab × hidden] weight gradient once, so tiles of a few rows would be bound by memory traffic, not matmuls."""
+
+    def tile_rows(self, targets: int) -> int:
+        """Rows of each tile for a micro-batch with ``targets`` real targets."""
+        return max(1, math.ceil(targets / max(self.tiles_per_vocab, 1)), min(targets, self.min_tile_rows))
 
     def describe(self) -> str:
         if not self.enabled:
             return "loss: untiled (the whole [tokens × vocab] logits; --tiled-loss on to tile)"
-        return f"loss: tiled over the LM head ({self.tiles_per_vocab} token tiles per micro-batch, logits never whole)"
+        return (
+            f"loss: tiled over the LM head ({self.tiles_per_vocab} token tiles per micro-batch of at least"
+            f" {self.min_tile_rows} targets, logits never whole)"
+        )
 
     def to_json(self) -> dict[str, Any]:
         return asdict(self)
@@ -86,20 +97,23 @@ class _TiledCrossEntropy(torch.autograd.Function):
             dlogits = (dlogits * scale).to(hidden.dtype)
             if grad_hidden is not None:
                 grad_hidden[rows] = dlogits @ weight
-            grad_weight += (dlogits.t() @ hidden[rows]).float()
+            if grad_weight.dtype == dlogits.dtype:
+                grad_weight.addmm_(dlogits.t(), hidden[rows])  # in place: no [V × H] temporary per tile
+            else:
+                grad_weight += (dlogits.t() @ hidden[rows]).float()
         grad_weight = grad_weight.to(weight.dtype) if ctx.needs_input_grad[1] else None
         return grad_hidden, grad_weight, None, None, None
 
 
 def tiled_cross_entropy(
-    hidden: torch.Tensor, weight: torch.Tensor, targets: torch.Tensor, normalizer: torch.Tensor, tiles: int
+    hidden: torch.Tensor, weight: torch.Tensor, targets: torch.Tensor, normalizer: torch.Tensor, choice: TiledLoss
 ) -> torch.Tensor:
     """The summed cross-entropy of ``hidden`` [..., H] against ``targets`` [...] (-100 ignored) over the LM head
-    ``weight`` [V, H], divided by ``normalizer``; in ``tiles`` tiles of the real targets."""
+    ``weight`` [V, H], divided by ``normalizer``; in tiles of the real targets as ``choice`` cuts them."""
     flat, goal = hidden.reshape(-1, hidden.shape[-1]), targets.reshape(-1).to(hidden.device)
     keep = (goal != IGNORE_INDEX).nonzero().squeeze(1)  # one host sync: the tile sizes need the count
     rows, goal = flat.index_select(0, keep), goal.index_select(0, keep)
-    tile = max(1, math.ceil(rows.shape[0] / tiles))
+    tile = choice.tile_rows(rows.shape[0])
     return _TiledCrossEntropy.apply(rows, weight, goal, normalizer.to(hidden.device, torch.float32), tile)
 
 
@@ -108,13 +122,13 @@ def _head_forward(
     hidden: torch.Tensor,
     targets: torch.Tensor | None = None,
     normalizer: torch.Tensor | None = None,
-    tiles: int = 1,
+    choice: TiledLoss | None = None,
 ) -> torch.Tensor:
     """The LM head's forward: its logits, or with ``targets`` the tiled loss (inside the module's call, so that
     ZeRO-3 gathers the weight once for all tiles)."""
     if targets is None:
         return nn.functional.linear(hidden, self.weight, self.bias)
-    return tiled_cross_entropy(hidden, self.weight, targets, normalizer, tiles)
+    return tiled_cross_entropy(hidden, self.weight, targets, normalizer, choice)
 
 
 def _tiled_forward(
@@ -135,7 +149,7 @@ def _tiled_forward(
     if num_items_in_batch is None:
         num_items_in_batch = (shift_labels != IGNORE_INDEX).sum()
     normalizer = torch.as_tensor(num_items_in_batch, dtype=torch.float32)
-    loss = self.get_output_embeddings()(outputs.last_hidden_state, shift_labels, normalizer, self._loss_tiles)
+    loss = self.get_output_embeddings()(outputs.last_hidden_state, shift_labels, normalizer, self._tiled_loss)
     return CausalLMOutputWithPast(loss=loss, logits=None)
 
 
@@ -148,6 +162,6 @@ def install_tiled_loss(model: nn.Module, choice: TiledLoss) -> nn.Module:
         raise TypeError(f"tiled loss needs a bias-free nn.Linear LM head, got {type(head).__name__}")
     head.forward = types.MethodType(_head_forward, head)
     model._untiled_forward = model.forward
-    model._loss_tiles = choice.tiles_per_vocab
+    model._tiled_loss = choice
     model.forward = types.MethodType(_tiled_forward, model)
     return model
