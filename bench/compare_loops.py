@@ -143,18 +143,42 @@ def loop_args(args: argparse.Namespace, variant: Variant, model: str, out: Path)
     return common
 
 
+def run_dir(args: argparse.Namespace, variant: Variant, rep: int) -> Path:
+    """Where one launch of one variant writes (kept: ``--from-runs`` reads them again)."""
+    return repo_path(args.work) / f"{variant.name.replace('/', '-').replace('.', '_')}-rep{rep}"
+
+
 def run_once(args: argparse.Namespace, variant: Variant, model: str, rep: int) -> dict[str, Any]:
     """One launch of one variant: its per-window step times and their median."""
     target, module = LOOPS[variant.loop]
-    out = repo_path(args.work) / f"{variant.name.replace('/', '-').replace('.', '_')}-rep{rep}"
+    out = run_dir(args, variant, rep)
     (out / "metrics.jsonl").unlink(missing_ok=True)
     quiet = wait_for_quiet(args.max_busy, args.max_wait)
     wall = launch(target, loop_args(args, variant, model, out), args.ranks, out / "launcher.log", module=module)
+    (out / "launch.json").write_text(json.dumps({"wall_s": wall, **quiet}) + "\n")
+    return read_run(out, rep, variant)
+
+
+def read_run(out: Path, rep: int, variant: Variant) -> dict[str, Any]:
+    """A finished launch's per-window step times, their median, and what was recorded about the launch."""
     windows = window_step_times(train_records(out))
     median = statistics.median(windows)
     shown = ", ".join(f"{w:.3f}" for w in windows)
     print(f"  rep {rep} {variant.name:<21} {median * 1e3:8.1f} ms/step  (windows {shown})")
-    return {"rep": rep, "step_time_s": median, "windows_s": windows, "wall_s": wall, "out": str(out), **quiet}
+    launch_info = json.loads((out / "launch.json").read_text()) if (out / "launch.json").is_file() else {}
+    return {"rep": rep, "step_time_s": median, "windows_s": windows, "out": str(out), **launch_info}
+
+
+def finished_runs(args: argparse.Namespace) -> dict[str, list[dict[str, Any]]]:
+    """``--from-runs``: the launches already in ``--work`` that finished (a full metrics.jsonl), none started."""
+    runs: dict[str, list[dict[str, Any]]] = {name: [] for name in args.variants}
+    for rep in range(args.reps):
+        for name in args.variants:
+            out = run_dir(args, BY_NAME[name], rep)
+            records = train_records(out) if (out / "metrics.jsonl").is_file() else []
+            if records and records[-1]["step"] == args.steps:
+                runs[name].append(read_run(out, rep, BY_NAME[name]))
+    return runs
 
 
 def rotation(names: list[str], rep: int) -> list[str]:
@@ -173,7 +197,8 @@ def schedule(names: list[str], rep: int) -> list[str]:
 def compare(runs: dict[str, list[dict[str, Any]]], c: Comparison) -> dict[str, Any]:
     """One ratio three ways (of medians, per-repetition pairs, best windows) and where it stands to its target."""
     med = {n: statistics.median(r["step_time_s"] for r in runs[n]) for n in (c.num, c.den)}
-    paired = [a["step_time_s"] / b["step_time_s"] for a, b in zip(runs[c.num], runs[c.den], strict=True)]
+    den = {r["rep"]: r["step_time_s"] for r in runs[c.den]}
+    paired = [r["step_time_s"] / den[r["rep"]] for r in runs[c.num] if r["rep"] in den]  # same repetition only
     best = {n: min(w for r in runs[n] for w in r["windows_s"]) for n in (c.num, c.den)}
     out: dict[str, Any] = {
         "label": c.label,
@@ -197,6 +222,8 @@ def summarize(runs: dict[str, list[dict[str, Any]]], tokens_per_step: int) -> di
     """Per-variant medians and spread, and every comparison whose two variants ran."""
     variants = {}
     for name, reps in runs.items():
+        if not reps:
+            continue
         times = [r["step_time_s"] for r in reps]
         v = BY_NAME[name]
         variants[name] = {
@@ -209,8 +236,14 @@ def summarize(runs: dict[str, list[dict[str, Any]]], tokens_per_step: int) -> di
             "tokens_per_s": tokens_per_step / statistics.median(times),
             "reps": reps,
         }
-    comparisons = [compare(runs, c) for c in COMPARISONS if c.num in runs and c.den in runs]
+    comparisons = [compare(runs, c) for c in COMPARISONS if runs.get(c.num) and runs.get(c.den)]
     return {"variants": variants, "comparisons": comparisons}
+
+
+def reps_text(summary: dict[str, Any]) -> str:
+    """How many repetitions each variant has: "3", or "1–2" when a stopped benchmark left some out."""
+    counts = sorted({len(v["reps"]) for v in summary["variants"].values()})
+    return str(counts[0]) if len(counts) == 1 else f"{counts[0]}–{counts[-1]} (see each variant)"
 
 
 def markdown(result: dict[str, Any]) -> str:
@@ -221,7 +254,7 @@ def markdown(result: dict[str, Any]) -> str:
         "",
         f"moe: `{result['model']}`; dense: `{result['dense_model']}`. `{result['deepspeed_config']}`,"
         f" {result['ranks']} ranks, {result['batch']}, {result['steps']} steps, log every {result['log_interval']}"
-        f" (first window dropped), {result['reps']} interleaved repetitions. Every loop: untiled loss, token-weighted"
+        f" (first window dropped), {reps_text(s)} interleaved repetitions. Every loop: untiled loss, token-weighted"
         f" over the global batch. Machine: {result['machine'].get('gpu') or 'CPU only'},"
         f" {result['machine']['cpu_count']} cores.",
         "",
@@ -274,6 +307,11 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--max-wait", type=float, default=600, help="Longest wait for a quiet machine, per run (s).")
     p.add_argument("--variants", nargs="+", default=list(BY_NAME), choices=list(BY_NAME))
     p.add_argument("--work", default="runs/bench/compare_loops")
+    p.add_argument(
+        "--from-runs",
+        action="store_true",
+        help="Launch nothing: summarize the finished runs already in --work (same --reps/--steps), e.g. after a stop.",
+    )
     p.add_argument("--results", default="bench/results")
     return p.parse_args(argv)
 
@@ -297,14 +335,19 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
         ),
         args.ranks,
     )
-    dense = args.dense_model or str(write_dense_model(repo_path(args.work) / "tiny-llama", args.data))
+    dense = args.dense_model or str(repo_path(args.work) / "tiny-llama")
+    if args.dense_model is None and not args.from_runs:
+        write_dense_model(Path(dense), args.data)
     models = {"moe": args.model, "dense": dense}
     seq_len = int(load_meta(args.data)["seq_len"])
     print(f"{len(args.variants)} variants × {args.reps} reps on {args.ranks} ranks; {cfg.batch.describe(seq_len)}")
-    runs: dict[str, list[dict[str, Any]]] = {name: [] for name in args.variants}
-    for rep in range(args.reps):
-        for name in schedule(args.variants, rep):
-            runs[name].append(run_once(args, BY_NAME[name], models[BY_NAME[name].case], rep))
+    if args.from_runs:
+        runs = finished_runs(args)
+    else:
+        runs = {name: [] for name in args.variants}
+        for rep in range(args.reps):
+            for name in schedule(args.variants, rep):
+                runs[name].append(run_once(args, BY_NAME[name], models[BY_NAME[name].case], rep))
     result: dict[str, Any] = {
         "model": args.model,
         "dense_model": "tiny Llama " + json.dumps(DENSE_WIDTHS) if args.dense_model is None else args.dense_model,
@@ -320,7 +363,7 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
         "measured_at": time.strftime("%Y-%m-%d %H:%M:%S"),
         "summary": summarize(runs, cfg.batch.global_batch * seq_len),
     }
-    if set(args.variants) == set(BY_NAME):
+    if set(args.variants) == set(BY_NAME) and all(runs.values()):
         write_results(args.results, "compare_loops", result, markdown(result))
     else:  # a partial comparison is printed, never written over the full one
         print(markdown(result))
