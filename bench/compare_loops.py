@@ -169,15 +169,24 @@ def read_run(out: Path, rep: int, variant: Variant) -> dict[str, Any]:
     return {"rep": rep, "step_time_s": median, "windows_s": windows, "out": str(out), **launch_info}
 
 
-def finished_runs(args: argparse.Namespace) -> dict[str, list[dict[str, Any]]]:
-    """``--from-runs``: the launches already in ``--work`` that finished (a full metrics.jsonl), none started."""
+def finished(args: argparse.Namespace, variant: Variant, rep: int) -> bool:
+    """Whether this launch is already in ``--work`` with all its ``--steps`` (metrics.jsonl up to the last step)."""
+    out = run_dir(args, variant, rep)
+    records = train_records(out) if (out / "metrics.jsonl").is_file() else []
+    return bool(records) and records[-1]["step"] == args.steps
+
+
+def measure(args: argparse.Namespace, models: dict[str, str]) -> dict[str, list[dict[str, Any]]]:
+    """Every variant ``--reps`` times in ``schedule`` order; ``--resume`` reads finished launches instead of
+    starting them again, ``--from-runs`` starts none."""
     runs: dict[str, list[dict[str, Any]]] = {name: [] for name in args.variants}
     for rep in range(args.reps):
-        for name in args.variants:
-            out = run_dir(args, BY_NAME[name], rep)
-            records = train_records(out) if (out / "metrics.jsonl").is_file() else []
-            if records and records[-1]["step"] == args.steps:
-                runs[name].append(read_run(out, rep, BY_NAME[name]))
+        for name in schedule(args.variants, rep):
+            v = BY_NAME[name]
+            if (args.resume or args.from_runs) and finished(args, v, rep):
+                runs[name].append(read_run(run_dir(args, v, rep), rep, v))
+            elif not args.from_runs:
+                runs[name].append(run_once(args, v, models[v.case], rep))
     return runs
 
 
@@ -312,6 +321,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         action="store_true",
         help="Launch nothing: summarize the finished runs already in --work (same --reps/--steps), e.g. after a stop.",
     )
+    p.add_argument("--resume", action="store_true", help="Keep the finished runs in --work; launch only the others.")
     p.add_argument("--results", default="bench/results")
     return p.parse_args(argv)
 
@@ -336,18 +346,12 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
         args.ranks,
     )
     dense = args.dense_model or str(repo_path(args.work) / "tiny-llama")
-    if args.dense_model is None and not args.from_runs:
+    if args.dense_model is None and not (args.from_runs or args.resume):
         write_dense_model(Path(dense), args.data)
     models = {"moe": args.model, "dense": dense}
     seq_len = int(load_meta(args.data)["seq_len"])
     print(f"{len(args.variants)} variants × {args.reps} reps on {args.ranks} ranks; {cfg.batch.describe(seq_len)}")
-    if args.from_runs:
-        runs = finished_runs(args)
-    else:
-        runs = {name: [] for name in args.variants}
-        for rep in range(args.reps):
-            for name in schedule(args.variants, rep):
-                runs[name].append(run_once(args, BY_NAME[name], models[BY_NAME[name].case], rep))
+    runs = measure(args, models)
     result: dict[str, Any] = {
         "model": args.model,
         "dense_model": "tiny Llama " + json.dumps(DENSE_WIDTHS) if args.dense_model is None else args.dense_model,
