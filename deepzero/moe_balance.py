@@ -18,6 +18,12 @@ same modules), and adds:
 - **Telemetry**: per-layer expert loads over each log window (``expert_load_imbalance``, ``dead_experts``,
   ``expert_load``) and the balance loss, read only at log points (the only host waits).
 
+Under sequence parallelism (``sequence``: this rank's slice position, the group size and the group) each router
+sees its rank's slice of every row. The loads need nothing more (summed over the world they are the whole rows'
+loads); the balance loss all-reduces its per-sequence routed counts, score sums and token counts over the group, so
+every rank's loss is the whole rows' and its gradient reaches this slice's scores only (DeepSpeed sums the group's
+gradients); the real-token masks are sliced like the rows.
+
 Only real tokens count: chat rows end in padding (:func:`real_tokens`), which is routed like any token but left out
 of the loads, the bias update and both losses. The loop hands each training micro-batch through :meth:`Balancer.watch`
 as the engine draws it; the ``k``-th forward of a router in a step is the step's ``k``-th micro-batch (and so is its
@@ -147,11 +153,18 @@ def router_scores(logits: torch.Tensor, family: str) -> torch.Tensor:
 
 
 def balance_loss(
-    scores: torch.Tensor, topk: torch.Tensor, rows: int, per_sequence: bool, real: torch.Tensor | None = None
+    scores: torch.Tensor,
+    topk: torch.Tensor,
+    rows: int,
+    per_sequence: bool,
+    real: torch.Tensor | None = None,
+    group: Any = None,
 ) -> torch.Tensor:
     """Σ_i f_i·P_i (without α): f_i = E/(K·T)·(tokens routed to i), P_i = mean score of i over the T tokens;
     per sequence (``rows`` sequences, averaged over those with a real token) or over all tokens. ``real`` (one bool
-    per token, None: all) leaves padding out: T counts real tokens only. 1 when perfectly balanced."""
+    per token, None: all) leaves padding out: T counts real tokens only. 1 when perfectly balanced. With a sequence
+    ``group`` the tokens are this rank's slices of the rows: the sums are the group's (the value is the whole rows'
+    loss on every rank; its gradient reaches this rank's scores only)."""
     tokens, experts = scores.shape
     groups = rows if per_sequence else 1
     k = topk.shape[1]
@@ -160,10 +173,25 @@ def balance_loss(
     count = weight.sum(dim=1, keepdim=True)
     f = torch.zeros(groups, experts, device=scores.device, dtype=scores.dtype)
     f.scatter_add_(1, topk.reshape(groups, -1), weight.repeat_interleave(k, dim=1).to(scores.dtype))
+    p = (scores.reshape(groups, -1, experts) * weight.unsqueeze(-1)).sum(dim=1)
+    if group is not None:
+        f, count, p = _group_sums(f, count, p, group)
     f = f * experts / (k * count.clamp(min=1))
-    p = (scores.reshape(groups, -1, experts) * weight.unsqueeze(-1)).sum(dim=1) / count.clamp(min=1)
+    p = p / count.clamp(min=1)
     seen = (count.squeeze(1) > 0).to(scores.dtype)  # a sequence of padding only has no loss (no host read)
     return ((f * p).sum(dim=1) * seen).sum() / seen.sum().clamp(min=1)
+
+
+def _group_sums(
+    f: torch.Tensor, count: torch.Tensor, p: torch.Tensor, group: Any
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """The sequence group's sums of the routed counts, token counts and score sums; the score sum stays
+    differentiable in this rank's own part (the others' parts enter as constants)."""
+    total = torch.cat([f, count.to(f.dtype), p.detach()], dim=1)
+    dist.all_reduce(total, group=group)
+    experts = f.shape[1]
+    f, count = total[:, :experts], total[:, experts : experts + 1]
+    return f, count, p + (total[:, experts + 1 :] - p.detach())
 
 
 def padding_id(meta: dict[str, Any]) -> int | None:
@@ -221,8 +249,11 @@ class Balancer:
         grad_scale: Callable[[], float],
         device: torch.device | str,
         group: Any = None,
+        sequence: Any = None,
     ) -> None:
         self.choice = choice
+        self.sequence = sequence
+        """Sequence parallelism's groups (``sequence_parallel.SequenceGroups``: rank, size, group); None: whole rows."""
         self.routers = find_routers(model)
         self.grad_scale = grad_scale
         self.group = group
@@ -260,7 +291,8 @@ class Balancer:
                 return None
             rows = args[0].shape[0] if args[0].dim() == 3 else 1
             scores = router_scores(logits, choice.family)
-            aux = choice.aux_alpha * balance_loss(scores, topk, rows, choice.seq_aux, real)
+            seq_group = self.sequence.group if self.sequence is not None else None
+            aux = choice.aux_alpha * balance_loss(scores, topk, rows, choice.seq_aux, real, seq_group)
             if not in_backward():
                 self.loss_sum[index] += aux.detach().to(self.device, non_blocking=True)
                 self.loss_calls[index] += 1
@@ -292,7 +324,11 @@ class Balancer:
         calls[which] += 1
         if k >= len(self.step_tokens) or self.step_tokens[k] is None:
             return None
-        real = self.step_tokens[k].reshape(-1)
+        real = self.step_tokens[k]
+        if self.sequence is not None:  # the router sees this rank's slice of every row
+            width = real.shape[1] // self.sequence.size
+            real = real[:, self.sequence.rank * width : (self.sequence.rank + 1) * width]
+        real = real.reshape(-1)
         if real.numel() != tokens:
             raise RuntimeError(f"router {index}: call {k} routes {tokens} tokens, micro-batch {k} has {real.numel()}")
         return real
@@ -378,8 +414,11 @@ def load_stats(counts: torch.Tensor) -> dict[str, Any]:
     }
 
 
-def attach(model: nn.Module, choice: BalanceChoice, grad_scale: Callable[[], float], device: Any) -> Balancer | None:
-    """A Balancer on the routers of a DeepSeek-V2/V3 ``model`` (telemetry also when balancing is off), else None."""
+def attach(
+    model: nn.Module, choice: BalanceChoice, grad_scale: Callable[[], float], device: Any, sequence: Any = None
+) -> Balancer | None:
+    """A Balancer on the routers of a DeepSeek-V2/V3 ``model`` (telemetry also when balancing is off), else None;
+    ``sequence``: the engine's sequence-parallel groups, if any."""
     if choice.family not in FAMILIES or not find_routers(model):
         return None
-    return Balancer(model, choice, grad_scale, device)
+    return Balancer(model, choice, grad_scale, device, sequence=sequence)

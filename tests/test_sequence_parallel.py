@@ -22,7 +22,9 @@ from transformers import AutoModelForCausalLM, LlamaConfig, Qwen2Config
 from deepzero import sequence_parallel as sp
 from deepzero.distributed import free_port
 from deepzero.errors import UserError
+from deepzero.lora import LoraSpec, apply_lora
 from deepzero.losses import TiledLoss, install_tiled_loss
+from deepzero.moe_balance import BalanceChoice, Balancer
 
 SIZE = 3
 SEQ = 24
@@ -63,38 +65,97 @@ def loss_and_grads(model: Any, batch: dict[str, torch.Tensor], items: torch.Tens
     return loss.item(), {n: p.grad.detach().clone() for n, p in model.named_parameters() if p.grad is not None}
 
 
+def build(config: Any, variant: str) -> Any:
+    """The variant's model: plain, tiled loss + activation checkpointing, or LoRA (its B matrices drawn, not zero,
+    so that every adapter gets a gradient)."""
+    torch.manual_seed(0)
+    model = AutoModelForCausalLM.from_config(config, dtype=torch.float32, attn_implementation="sdpa")
+    model.train()
+    if variant == "tiled+checkpointing":
+        install_tiled_loss(model, TiledLoss.choose("on", config.vocab_size, config.hidden_size // 4))
+        model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+    if variant == "lora":
+        model = apply_lora(model, LoraSpec(r=4), verbose=False)
+        with torch.no_grad():
+            for name, param in model.named_parameters():
+                if "lora_B" in name:
+                    param.normal_(0, 0.02)
+    return model
+
+
+VARIANTS = {"qwen2_12_2": ("tiled+checkpointing", "lora"), "deepseek_v3": ("tiled+checkpointing", "lora", "balance")}
+BALANCE = BalanceChoice("both", "deepseek_v3", bias_rate=0.01, aux_alpha=0.5, seq_aux=True)
+"""V3's bias and sequence-wise loss, α large enough that the loss moves the router gradients well above TOL."""
+PAD = 0
+
+
+def padded(batch: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+    """Row 1 ends in 6 padding tokens (chat rows), reaching into the middle shard's successor: the loads and the
+    balance loss leave them out."""
+    out = {k: v.clone() for k, v in batch.items()}
+    out["input_ids"][1, 18:] = PAD
+    return out
+
+
 def _worker(rank: int, port: int, out: str) -> None:
     torch.set_num_threads(1)
     dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=SIZE)
     group = dist.new_group(list(range(SIZE)))
+    alone = [dist.new_group([r]) for r in range(SIZE)][rank]
     groups = sp.SequenceGroups(SIZE, rank, group, 0, 1, None)
     results = {}
     for name, config in shapes().items():
-        for variant in ("plain", "tiled+checkpointing") if name in ("qwen2_12_2", "deepseek_v3") else ("plain",):
-            torch.manual_seed(0)
-            model = AutoModelForCausalLM.from_config(config, dtype=torch.float32, attn_implementation="sdpa")
-            model.train()
-            if variant != "plain":
-                install_tiled_loss(model, TiledLoss.choose("on", config.vocab_size, config.hidden_size // 4))
-                model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+        for variant in ("plain", *VARIANTS.get(name, ())):
             batch = global_batch(config.vocab_size)
             items = (batch["labels"] != -100).sum().float()
-            ref_loss, ref_grads = loss_and_grads(model, batch, items)
-            sp.install(model, groups)
-            loss, grads = loss_and_grads(model, groups.shard(batch), items)
+            model = build(config, variant)
+            extra = {}
+            if variant == "balance":
+                batch = padded(batch)
+                _, plain_grads = loss_and_grads(model, batch, items)
+                ref, ref_loss, ref_grads = balanced(model, Balancer(model, BALANCE, lambda: 1.0, "cpu", alone), batch)
+                model = sp.install(build(config, variant), groups)  # the reference moved its biases
+                bal = Balancer(model, BALANCE, lambda: 1.0, "cpu", group, sequence=groups)
+                got, loss, grads = balanced(model, bal, batch, groups.shard)
+                router = next(n for n in ref_grads if n.endswith("mlp.gate.weight"))
+                extra = {
+                    "aux_moves_router": rel(ref_grads[router], plain_grads[router]),
+                    "loads_equal": torch.equal(ref.window_counts, got.window_counts),
+                    "bias_equal": torch.equal(ref.biases(), got.biases()),
+                    "bias_moved": bool(ref.biases().abs().sum() > 0),
+                }
+            else:
+                ref_loss, ref_grads = loss_and_grads(model, batch, items)
+                sp.install(model, groups)
+                loss, grads = loss_and_grads(model, groups.shard(batch), items)
             total = torch.tensor([loss])
             dist.all_reduce(total, group=group)
             for g in grads.values():
                 dist.all_reduce(g, group=group)
-            diffs = [((grads[n] - g).abs().max() / g.abs().max().clamp(min=1e-12)).item() for n, g in ref_grads.items()]
             results[f"{name}/{variant}"] = {
                 "loss": abs(total.item() - ref_loss) / ref_loss,
-                "grad": max(diffs),
-                "grads": len(grads) == len(ref_grads),
+                "grad": max(rel(grads[n], g) for n, g in ref_grads.items()),
+                "grads": sorted(grads) == sorted(ref_grads),
                 "shard_targets": int((groups.shard(batch)["labels"] != -100).sum()),
+                **extra,
             }
     Path(out, f"rank{rank}.json").write_text(json.dumps(results))
     dist.destroy_process_group()
+
+
+def rel(got: torch.Tensor, ref: torch.Tensor) -> float:
+    return ((got - ref).abs().max() / ref.abs().max().clamp(min=1e-12)).item()
+
+
+def balanced(model: Any, balancer: Balancer, batch: dict, shard: Any = None) -> tuple[Balancer, float, dict]:
+    """One balanced micro-step as the loop runs it: the whole batch through ``watch``, the engine's slice (``shard``)
+    forward and backward, then the bias update; the hooks removed again."""
+    items = (batch["labels"] != -100).sum().float()
+    drawn = next(balancer.watch(iter([batch]), PAD))
+    loss, grads = loss_and_grads(model, shard(drawn) if shard else drawn, items)
+    balancer.after_step()
+    balancer.remove()
+    return balancer, loss, grads
 
 
 def test_three_way_sequence_parallel_equals_one_rank_for_every_attention_shape(tmp_path: Path) -> None:
@@ -107,6 +168,9 @@ def test_three_way_sequence_parallel_equals_one_rank_for_every_attention_shape(t
         for case, r in results.items():
             assert r["grads"], f"rank {rank} {case}: some parameter got no gradient"
             assert r["loss"] < TOL and r["grad"] < TOL, f"rank {rank} {case}: {r}"
+        balance = results["deepseek_v3/balance"]
+        assert balance["aux_moves_router"] > 100 * TOL, balance  # the balance loss is in the compared gradients
+        assert balance["loads_equal"] and balance["bias_equal"] and balance["bias_moved"], balance
     print({case: f"loss {r['loss']:.1e} grad {r['grad']:.1e}" for case, r in per_rank[0].items()})
 
 
