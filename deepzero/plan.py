@@ -27,7 +27,8 @@ from deepzero.flops import routed_experts
 if TYPE_CHECKING:
     from deepzero.dsconfig import ResolvedConfig
     from deepzero.engines import EngineSettings
-    from deepzero.lora import LoraSpec
+from deepzero.lora import LoraSpec
+from deepzero.losses.tiled import MIN_TILE_ROWS
 from deepzero.modeling import planning_config
 from deepzero.precision import requested_precision
 from deepzero.presets import PRESETS
@@ -565,15 +566,16 @@ def logits_bytes(stats: ModelStats, setup: Setup) -> int:
     Untiled: 16-bit logits (2) + fp32 log-softmax kept for the loss (4) + two fp32 gradients in its backward (8)
     per [tokens × vocab] value; in fp32 the logits are freed after the forward: 12 (measured on the CPU,
     bench/long_context.py). Tiled (``savers.loss_tiles``): the same per value of one tile of ceil(tokens /
-    tiles) rows, plus the fp32 grad_weight buffer [V × H] and each tile's [V × H] matmul output (16-bit and its
-    fp32 upcast), the per-token fp32 log-sum-exp and the [tokens × hidden] hidden-state gradient.
+    tiles) rows (never fewer than 256), plus the fp32 grad_weight buffer [V × H] (in 16-bit also each tile's
+    [V × H] matmul output and its fp32 upcast; fp32 accumulates in place), the per-token fp32 log-sum-exp and the
+    [tokens × hidden] hidden-state gradient.
     """
     a, tokens, p = stats.arch, setup.micro_batch * setup.seq_len, setup.bytes_per_value
     per_value = 14 if p == 2 else 12
     if not setup.savers.loss_tiles:
         return per_value * tokens * a.vocab
-    rows = -(-tokens // setup.savers.loss_tiles)
-    grad_weight = (4 + p + (4 if p == 2 else 0)) * a.vocab * a.hidden
+    rows = max(-(-tokens // setup.savers.loss_tiles), min(tokens, MIN_TILE_ROWS))  # losses.tiled.TiledLoss.tile_rows
+    grad_weight = (10 if p == 2 else 4) * a.vocab * a.hidden  # 16-bit: + each tile's product and its fp32 upcast
     return per_value * rows * a.vocab + grad_weight + 4 * tokens + p * tokens * a.hidden
 
 
