@@ -130,12 +130,6 @@ def plan_run(args: TrainArgs, world: int) -> RunPlan:
     lr_source = cfg.lr_source
     seq_len = int(meta["seq_len"])
     sp.check_divisible(seq_len, sequence, args.data)
-    if sequence > 1 and balance.mode != "off":  # its hooks count whole rows; the routers would see slices
-        raise UserError(
-            f"--moe-balance {args.moe_balance}",
-            f"MoE load balancing ({balance.mode}) does not run under sequence parallelism yet",
-            "pass --moe-balance off, or train without sequence parallelism",
-        )
     if seq_len > config.max_position_embeddings:
         raise UserError(
             f"{args.data}/meta.json",
@@ -277,7 +271,11 @@ def setup(args: TrainArgs) -> Run:
     torch.manual_seed(args.seed)
     engine = plan.engine_settings.build(partial(make_model, args, plan), plan.cfg.ds, plan.seq_len)
     balancer = moe_balance.attach(
-        engine.model, plan.balance, partial(grad_scale, engine, plan.cfg.batch.accum), engine.device
+        engine.model,
+        plan.balance,
+        partial(grad_scale, engine, plan.cfg.batch.accum),
+        engine.device,
+        getattr(engine, "sequence", None),  # SP: the routers see slices; the balance loss sums over the group
     )
     state = checkpoint.load(engine, args.checkpoint_dir) if args.resume else checkpoint.TrainState()
     run_config = {
@@ -341,7 +339,7 @@ def make_model(args: TrainArgs, plan: RunPlan) -> nn.Module:
 def grad_scale(engine: TrainEngine, accum: int) -> float:
     """What the engine multiplies each micro-batch's loss by before backward: 1/accumulation steps (DeepSpeed's
     ``engine.backward``, the layer split) × the fp16 loss scale (a host float: reading it waits for nothing)."""
-    return (engine.loss_scale() or 1.0) / accum
+    return (engine.loss_scale() or 1.0) * getattr(engine, "gradient_factor", 1.0) / accum  # ZeRO-3 under SP: N
 
 
 def warn(message: str) -> None:

@@ -61,6 +61,13 @@ def choose(
             f"sequence parallelism runs on the ZeRO engine only, not with {way}",
             "use a ZeRO preset (ds_configs/zero2.json or zero3.json) without --device-map",
         )
+    zero = ds.get("zero_optimization", {})
+    if sp > 1 and zero.get("stage") == 3 and zero.get("reduce_scatter") is False:
+        raise UserError(
+            f"{source} zero_optimization.reduce_scatter",
+            "false mixes ZeRO-3's two gradient reductions, which scale sequence-parallel gradients differently",
+            "drop the key or set it true (the default) with sequence_parallel_size > 1",
+        )
     if device_map:
         return LayerSplitSettings(devices)
     return pipe or ZeroSettings(gradient_checkpointing, lora, sp)

@@ -42,6 +42,7 @@ class ZeroEngine(DeepSpeedBacked):
         keep_alive: object | None = None,
         partitioned_at_load: bool = False,
         sequence: sp.SequenceGroups | None = None,
+        stage: int = 0,
     ) -> None:
         self.engine = engine
         self.model = model
@@ -50,6 +51,10 @@ class ZeroEngine(DeepSpeedBacked):
         """Sequence parallelism: this rank's group and slice (None: whole rows on every rank)."""
         self.dp_rank = sequence.dp_rank if sequence else dist.get_rank()
         self.dp_size = sequence.dp_size if sequence else dist.get_world_size()
+        self.gradient_factor = float(sequence.size) if sequence is not None and stage == 3 else 1.0
+        """What the backward loss is multiplied by: ZeRO-3's reduce-scatter (``__avg_scatter_grads``) averages the
+        gradients over every rank and ignores ``sequence_parallel_size`` (ZeRO-2 and ZeRO-3's all-reduce path divide
+        by world / N), so under sequence parallelism its gradients come out N times too small."""
         self.zero_ranks = dist.get_world_size()
         """Ranks ZeRO partitions over (its checkpoint's file count): the whole world, sequence groups included."""
         self._exporter = exporter
@@ -85,7 +90,7 @@ class ZeroEngine(DeepSpeedBacked):
             from deepspeed.runtime.sequence_parallel import parallel_state_sp as mpu
         engine, *_ = deepspeed.initialize(model=model, model_parameters=params, config=ds_config, mpu=mpu)
         exporter = export_lora_hf if lora is not None else export_hf
-        return cls(engine, model, exporter, keep_alive, partitioned, sequence)
+        return cls(engine, model, exporter, keep_alive, partitioned, sequence, stage)
 
     def describe(self) -> str:
         where = "  partitioned at load" if self.partitioned_at_load else ""
@@ -108,7 +113,7 @@ class ZeroEngine(DeepSpeedBacked):
         total = torch.zeros((), device=self.device)
         for batch in micro:
             loss = lm_loss(engine, batch, normalizer)
-            engine.backward(loss)  # divides by the accumulation steps; ranks' gradients are averaged
+            engine.backward(loss * self.gradient_factor)  # divides by the accumulation steps; averages the ranks
             engine.step()
             total += loss.detach().float()
         return total * (self.sequence.size if self.sequence else 1) / len(micro)
