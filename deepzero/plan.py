@@ -298,6 +298,14 @@ class Setup:
     """Micro-batches per optimizer step (a pipeline keeps up to ``stages`` of them in flight)."""
     savers: SaverTerms = field(default_factory=SaverTerms)
     """Tiled loss, offloaded checkpoints, tiled MLP (default: none, the model's own loss)."""
+    sequence_parallel: int = 1
+    """Ranks each sequence is split over (``deepzero.sequence_parallel``): a rank holds ``seq_len / N`` tokens of
+    every row, the group's keys and values of the layer it computes, and the [seq/N × seq] causal mask."""
+
+    @property
+    def tokens(self) -> int:
+        """Tokens of one micro-batch on one rank (a slice of each row under sequence parallelism)."""
+        return self.micro_batch * self.seq_len // self.sequence_parallel
 
     def __post_init__(self) -> None:
         if self.stage not in (0, 1, 2, 3):
@@ -497,18 +505,18 @@ def _mlp_per_token(a: Arch, moe: bool, tiled: bool = False, fp32: bool = False) 
 def mlp_tile_bytes(stats: ModelStats, setup: Setup) -> int:
     """16-bit bytes of one MLP tile recomputed in backward under TiledMLP (0 untiled): its intermediates (8i per
     token), its input gradient buffer (zeros of the whole input, 2h per token) and the tile's output gradient."""
-    a, tokens = stats.arch, setup.micro_batch * setup.seq_len
-    tiles = setup.savers.mlp_tiles(a, setup.seq_len)
+    a, tokens = stats.arch, setup.tokens
+    tiles = setup.savers.mlp_tiles(a, setup.seq_len // setup.sequence_parallel)
     if tiles <= 1:
         return 0
-    tile = -(-setup.seq_len // tiles) * setup.micro_batch
+    tile = -(-tokens // tiles)
     width = max(a.intermediate if len(stats.moe_mask) != sum(stats.moe_mask) else 0, a.shared_intermediate)
     return tile * (8 * width + 2 * a.hidden) + 2 * a.hidden * tokens
 
 
 def layer_activation_bytes(stats: ModelStats, setup: Setup) -> list[int]:
     """Saved activations of each decoder layer for one micro-batch, in 16-bit (``activation_bytes`` scales fp32)."""
-    a, tokens = stats.arch, setup.micro_batch * setup.seq_len
+    a, tokens = stats.arch, setup.tokens
     lora = 2 * setup.lora_rank * len(stats.lora_shapes) // max(a.layers, 1) if setup.lora_rank else 0
     fp32 = setup.precision == "fp32"
     common = 2 * _norm(a.hidden, fp32) + _attention_per_token(a, setup) + lora
@@ -517,7 +525,27 @@ def layer_activation_bytes(stats: ModelStats, setup: Setup) -> list[int]:
     moe = common + _mlp_per_token(a, moe=True, tiled=tiled, fp32=fp32)
     router_weight = 0 if fp32 else 4 * a.experts * a.hidden  # fp32 copy of the router weight, saved per MoE layer
     mask = stats.moe_mask or (False,) * (a.layers - a.moe_layers) + (True,) * a.moe_layers
-    return [moe * tokens + router_weight if is_moe else dense * tokens for is_moe in mask]
+    gathered = gathered_kv_bytes(stats, setup)
+    return [(moe * tokens + router_weight if is_moe else dense * tokens) + gathered for is_moe in mask]
+
+
+def gathered_kv_bytes(stats: ModelStats, setup: Setup) -> int:
+    """Sequence parallelism: the whole rows' keys and values one layer all-gathers and its attention keeps for
+    backward, 16-bit (``sequence_parallel.gathered_bytes`` plus this rank's own slice); 0 without it."""
+    if setup.sequence_parallel <= 1:
+        return 0
+    a = stats.arch
+    mla = a.heads * (a.qk_nope_dim + a.qk_rope_dim + a.v_head_dim)  # every head's expanded key and value
+    width = mla if a.kv_lora_rank else 2 * a.kv_heads * a.head_dim
+    return 2 * width * setup.micro_batch * setup.seq_len
+
+
+def sequence_mask_bytes(setup: Setup) -> int:
+    """Sequence parallelism: the bool [seq/N × seq] causal + document mask of each row, built once per micro-batch
+    and held through forward and backward; 0 without it."""
+    if setup.sequence_parallel <= 1:
+        return 0
+    return setup.micro_batch * setup.seq_len * (setup.seq_len // setup.sequence_parallel)
 
 
 def activation_bytes(
@@ -536,7 +564,7 @@ def activation_bytes(
     ``setup.savers.offload`` those inputs live in host memory (``offloaded_bytes``) and the card holds the one being
     recomputed. A tiled MLP adds one tile's recompute (``mlp_tile_bytes``).
     """
-    a, tokens = stats.arch, setup.micro_batch * setup.seq_len
+    a, tokens = stats.arch, setup.tokens
     per_layer = layer_activation_bytes(stats, setup)
     held = [per_layer[i] for i in (layers if layers is not None else range(len(per_layer)))]
     interval = (1 if setup.checkpointing else 0) if interval is None else interval
@@ -548,7 +576,7 @@ def activation_bytes(
     body += mlp_tile_bytes(stats, setup) if held else 0
     final = (_norm(a.hidden, setup.precision == "fp32") + 2 * a.hidden) * tokens if head else 0  # + lm_head input
     scale = 2 if setup.precision == "fp32" else 1
-    return scale * (body + final)
+    return scale * (body + final) + sequence_mask_bytes(setup)
 
 
 def offloaded_bytes(stats: ModelStats, setup: Setup) -> int:
@@ -557,7 +585,7 @@ def offloaded_bytes(stats: ModelStats, setup: Setup) -> int:
     if not (setup.savers.offload and setup.checkpointing):
         return 0
     a = stats.arch
-    return setup.bytes_per_value * a.layers * a.hidden * setup.micro_batch * setup.seq_len
+    return setup.bytes_per_value * a.layers * a.hidden * setup.tokens
 
 
 def logits_bytes(stats: ModelStats, setup: Setup) -> int:
@@ -570,7 +598,7 @@ def logits_bytes(stats: ModelStats, setup: Setup) -> int:
     [V × H] matmul output and its fp32 upcast; fp32 accumulates in place), the per-token fp32 log-sum-exp and the
     [tokens × hidden] hidden-state gradient.
     """
-    a, tokens, p = stats.arch, setup.micro_batch * setup.seq_len, setup.bytes_per_value
+    a, tokens, p = stats.arch, setup.tokens, setup.bytes_per_value
     per_value = 14 if p == 2 else 12
     if not setup.savers.loss_tiles:
         return per_value * tokens * a.vocab
@@ -857,6 +885,7 @@ class LongestSeq:
 
     def label(self) -> str:
         s, parts = self.setup, [f"`{self.preset}`"]
+        parts += [f"SP {s.sequence_parallel}"] * (s.sequence_parallel > 1)
         parts += ["ckpt"] * s.checkpointing + ["offload"] * (s.checkpointing and s.savers.offload)
         return " + ".join(parts + ["tiled MLP"] * s.savers.tiled_mlp + ["untiled loss"] * (not s.savers.loss_tiles))
 
@@ -885,17 +914,22 @@ def longest_sequences(
     pretrained: bool = True,
     tiled_loss: bool = True,
     choices: Sequence[tuple[bool, bool, bool]] = SAVER_CHOICES,
+    sequence_parallel: bool = True,
 ) -> list[LongestSeq]:
-    """The longest sequence of every preset × ``choices`` (checkpointing, offload, tiled MLP) at micro-batch 1."""
+    """The longest sequence of every preset × ``choices`` (checkpointing, offload, tiled MLP) at micro-batch 1,
+    each also split over all ranks (sequence parallelism, ZeRO presets) when ``sequence_parallel``."""
     out = []
     for name in PRESET_ORDER:
         ds = load_preset(name)
         for ckpt, offload, mlp in choices:
             savers = SaverTerms.choose(stats.arch, tiled_loss, offload, mlp)
-            setup = _micro1_setup(ds, stats, world_size, SEQ_STEP, ckpt, lora_rank, pretrained, savers)
-            n = longest_seq_len(stats, setup, gpu_mem, cpu_mem)
-            setup = replace(setup, seq_len=max(n, SEQ_STEP))
-            out.append(LongestSeq(n, name, setup, estimate(stats, setup)))
+            base = _micro1_setup(ds, stats, world_size, SEQ_STEP, ckpt, lora_rank, pretrained, savers)
+            splits = (1, world_size) if sequence_parallel and base.layout is None and world_size > 1 else (1,)
+            for split in splits:
+                setup = replace(base, sequence_parallel=split)
+                n = longest_seq_len(stats, setup, gpu_mem, cpu_mem)
+                setup = replace(setup, seq_len=max(n, SEQ_STEP))
+                out.append(LongestSeq(n, name, setup, estimate(stats, setup)))
     return out
 
 
@@ -930,6 +964,7 @@ def render_longest(
     rows = [
         [
             r.preset,
+            str(r.setup.sequence_parallel),
             "on" if r.setup.checkpointing else "off",
             "on" if r.setup.savers.offload else "off",
             "on" if r.setup.savers.tiled_mlp else "off",
@@ -938,8 +973,8 @@ def render_longest(
         ]
         for r, q in zip(full, lora, strict=True)
     ]
-    headers = ["preset", "ckpt", "offload", "tiled MLP", "full", f"LoRA r{lora_rank}"]
-    lines += [format_table(headers, rows, [False] * 4 + [True] * 2), ""]
+    headers = ["preset", "SP", "ckpt", "offload", "tiled MLP", "full", f"LoRA r{lora_rank}"]
+    lines += [format_table(headers, rows, [False] * 5 + [True] * 2), ""]
     for what, runs in (("full fine-tuning", full), (f"LoRA r{lora_rank}", lora)):
         best = max(runs, key=lambda r: r.seq_len)
         if not best.seq_len:
@@ -1191,7 +1226,12 @@ def run_setup(
     )
     base = replace(base, precision=cfg.precision, accum=cfg.batch.accum)
     if isinstance(engine, ZeroSettings):
-        return replace(base, checkpointing=engine.gradient_checkpointing, lora_rank=engine.lora.r if engine.lora else 0)
+        return replace(
+            base,
+            checkpointing=engine.gradient_checkpointing,
+            lora_rank=engine.lora.r if engine.lora else 0,
+            sequence_parallel=getattr(engine, "sequence_parallel", 1),
+        )
     if isinstance(engine, PipelineSettings):
         accum_dtype = cfg.ds.get("data_types", {}).get("grad_accum_dtype")
         interval = engine.activation_checkpoint_interval

@@ -457,8 +457,8 @@ def test_tiled_mlp_keeps_one_tiles_intermediates(qwen: plan.ModelStats) -> None:
     ("model", "lora", "before", "after"),
     [
         ("deepseek-r1-distill-qwen-1.5b", 0, 9216, 258_048),
-        ("deepseek-r1-distill-qwen-7b", 16, 8192, 83_968),
-        ("deepseek-r1-distill-llama-8b", 16, 9216, 74_752),
+        ("deepseek-r1-distill-qwen-7b", 16, 8192, 140_288),
+        ("deepseek-r1-distill-llama-8b", 16, 9216, 132_096),
     ],
 )
 def test_longest_sequence_meets_the_long_context_goal(model: str, lora: int, before: int, after: int) -> None:
@@ -468,7 +468,9 @@ def test_longest_sequence_meets_the_long_context_goal(model: str, lora: int, bef
     stats = model_stats(PRESETS[model].config(), model)
     gpu, cpu = 24 * GiB, 128 * GiB
     only_ckpt = ((False, False, False), (True, False, False))
-    old = plan.longest_sequence(stats, N, gpu, cpu, lora_rank=lora, tiled_loss=False, choices=only_ckpt)
+    old = plan.longest_sequence(
+        stats, N, gpu, cpu, lora_rank=lora, tiled_loss=False, choices=only_ckpt, sequence_parallel=False
+    )
     new = plan.longest_sequence(stats, N, gpu, cpu, lora_rank=lora)
     assert old is not None and new is not None
     assert (old.seq_len, new.seq_len) == (before, after)
@@ -481,7 +483,28 @@ def test_longest_sequence_meets_the_long_context_goal(model: str, lora: int, bef
 def test_cli_max_seq_len(capsys: pytest.CaptureFixture[str]) -> None:
     assert plan.main(["--model", "deepseek-coder-1.3b", "--max-seq-len"]) == 0
     out = capsys.readouterr().out
-    assert len([line for line in out.splitlines() if line.startswith("zero")]) == 5 * len(plan.SAVER_CHOICES)
+    assert (
+        len([line for line in out.splitlines() if line.startswith("zero")]) == 5 * len(plan.SAVER_CHOICES) * 2
+    )  # each also with SP 3
     assert "Longest for full fine-tuning: " in out and "over the 16,384 context" in out
     assert plan.main(["--model", "deepseek-coder-1.3b", "--tiled-loss", "off", "--tiled-mlp", "on"]) == 0
     assert "Memory savers: untiled loss + tiled MLP" in capsys.readouterr().out
+
+
+def test_sequence_parallelism_divides_the_slices_and_adds_the_gathered_keys_and_the_mask(qwen: plan.ModelStats) -> None:
+    """--sequence-parallel 3 (issue 24): a rank holds a third of each row's tokens (activations, logits, offloaded
+    inputs), plus the layer's all-gathered keys/values of the whole rows (12/2 heads × 128: 1 KiB per token) and
+    the bool [S/3 × S] mask; the longest-sequence search tries it and the goal holds with it too."""
+    s = 32_768
+    terms = plan.SaverTerms.choose(qwen.arch)
+    one = Setup(stage=2, world_size=N, seq_len=s, checkpointing=True, savers=terms)
+    split = replace(one, sequence_parallel=3)
+    third = replace(one, seq_len=s // 3)
+    assert plan.logits_bytes(qwen, split) == plan.logits_bytes(qwen, third)
+    kv = plan.gathered_kv_bytes(qwen, split)
+    assert kv == 2 * (2 * 2 * 128) * s
+    expected = plan.activation_bytes(qwen, third) + kv + s * (s // 3)  # one recomputed layer holds the gathered kv
+    assert plan.activation_bytes(qwen, split) == expected
+    rows = plan.longest_sequences(qwen, N, 24 * plan.GiB, 128 * plan.GiB)
+    assert {r.setup.sequence_parallel for r in rows} == {1, 3}
+    assert max(r.seq_len for r in rows if r.setup.sequence_parallel == 3) >= 131_072
