@@ -140,8 +140,9 @@ def measure_one(spec: dict[str, Any]) -> dict[str, Any]:
     }
 
 
-def predicted_bytes(spec: dict[str, Any], savers: Any, checkpointing: bool) -> int:
-    """The planner's activation + logit bytes for this case (what one step adds above the model's states)."""
+def predicted_bytes(spec: dict[str, Any], savers: Any, checkpointing: bool, sequence_parallel: int = 1) -> int:
+    """The planner's activation + logit bytes for this case (what one step adds above the model's states), per rank
+    of a ``sequence_parallel`` group."""
     from deepzero import plan
 
     stats = plan.model_stats(_config(spec))
@@ -153,6 +154,7 @@ def predicted_bytes(spec: dict[str, Any], savers: Any, checkpointing: bool) -> i
         checkpointing=checkpointing,
         precision="bf16" if spec["device"] == "cuda" else "fp32",
         savers=plan.SaverTerms.of(savers),
+        sequence_parallel=sequence_parallel,
     )
     return plan.activation_bytes(stats, setup) + plan.logits_bytes(stats, setup)
 

@@ -29,7 +29,7 @@ from typing import Any
 REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
 
-from bench.long_context import MALLOC_ENV, build, hwm_bytes, rss_bytes  # noqa: E402
+from bench.long_context import MALLOC_ENV, build, hwm_bytes, predicted_bytes, rss_bytes, savers_for  # noqa: E402
 from bench.scaling import write_results  # noqa: E402
 
 
@@ -103,10 +103,13 @@ def run_case(spec: dict[str, Any]) -> dict[str, Any]:
     config = PRESETS[spec["model"]].config(vocab_size=spec["vocab"], num_hidden_layers=spec["layers"])
     per_layer = sp.gathered_bytes(config, spec["seq_len"], spec["size"], 4) if spec["size"] > 1 else 0
     step_s = max(r["step_s"] for r in ranks)
+    savers, checkpointing = savers_for("tiled", config, spec["seq_len"])
+    predicted = predicted_bytes({**spec, "device": "cpu"}, savers, checkpointing, spec["size"])
     return {
         **spec,
         "ranks": ranks,
         "peak_bytes_per_rank": max(r["peak_bytes"] for r in ranks),
+        "predicted_bytes_per_rank": predicted,
         "step_s": step_s,
         "tokens_per_s": spec["micro"] * spec["seq_len"] / step_s,
         "gather_share": max(r["gather_s"] for r in ranks) / step_s,
@@ -122,15 +125,18 @@ def report(rows: list[dict[str, Any]], title: str) -> str:
     lines = [
         f"# {title}",
         "",
-        "| seq len | SP | tokens/s | peak per rank | vs SP 1 | all-gather bytes per rank (formula) | gather time share |",
-        "|---|---|---|---|---|---|---|",
+        "| seq len | SP | tokens/s | peak per rank | vs SP 1 | planner | measured / planner |"
+        " all-gather bytes per rank (formula) | gather time share |",
+        "|---|---|---|---|---|---|---|---|---|",
     ]
     one = {r["seq_len"]: r for r in rows if r["size"] == 1}
     for r in rows:
         ratio = r["peak_bytes_per_rank"] / one[r["seq_len"]]["peak_bytes_per_rank"] if r["seq_len"] in one else 0
         lines.append(
             f"| {r['seq_len']} | {r['size']} | {r['tokens_per_s']:.0f} | {_mb(r['peak_bytes_per_rank'])} |"
-            f" {ratio:.2f} | {_mb(r['formula_bytes_per_rank'])} | {r['gather_share']:.1%} |"
+            f" {ratio:.2f} | {_mb(r['predicted_bytes_per_rank'])} |"
+            f" {r['peak_bytes_per_rank'] / r['predicted_bytes_per_rank']:.2f} |"
+            f" {_mb(r['formula_bytes_per_rank'])} | {r['gather_share']:.1%} |"
         )
     return "\n".join(lines) + "\n"
 
@@ -141,7 +147,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--layers", type=int, default=4)
     parser.add_argument("--vocab", type=int, default=4096)
     parser.add_argument("--micro", type=int, default=1)
-    parser.add_argument("--seq-lens", default="3072,6144", help="multiples of every size")
+    parser.add_argument("--seq-lens", default="6144,12288", help="multiples of every size")
     parser.add_argument("--sizes", default="1,3")
     parser.add_argument("--results", default="bench/results")
     args = parser.parse_args(argv)

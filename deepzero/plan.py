@@ -300,7 +300,7 @@ class Setup:
     """Tiled loss, offloaded checkpoints, tiled MLP (default: none, the model's own loss)."""
     sequence_parallel: int = 1
     """Ranks each sequence is split over (``deepzero.sequence_parallel``): a rank holds ``seq_len / N`` tokens of
-    every row, the group's keys and values of the layer it computes, and the [seq/N × seq] causal mask."""
+    every row, the group's keys and values of the layer it computes, and one query chunk's mask."""
 
     @property
     def tokens(self) -> int:
@@ -541,11 +541,15 @@ def gathered_kv_bytes(stats: ModelStats, setup: Setup) -> int:
 
 
 def sequence_mask_bytes(setup: Setup) -> int:
-    """Sequence parallelism: the bool [seq/N × seq] causal + document mask of each row, built once per micro-batch
-    and held through forward and backward; 0 without it."""
+    """Sequence parallelism: one attention chunk's causal + document mask (bool, and sdpa's float copy in the
+    training dtype), rebuilt per chunk and freed (``sequence_parallel.MASK_ELEMENTS`` bounds it); 0 without it."""
     if setup.sequence_parallel <= 1:
         return 0
-    return setup.micro_batch * setup.seq_len * (setup.seq_len // setup.sequence_parallel)
+    from deepzero.sequence_parallel import MASK_ELEMENTS
+
+    width = setup.seq_len // setup.sequence_parallel
+    elements = min(MASK_ELEMENTS, setup.micro_batch * width * setup.seq_len)
+    return elements * (1 + (4 if setup.precision == "fp32" else 2))
 
 
 def activation_bytes(

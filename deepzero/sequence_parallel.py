@@ -2,23 +2,26 @@
 
 Each rank of a sequence group keeps its contiguous ``S/N`` slice of every row (its queries, targets and per-document
 ``position_ids``, so RoPE is applied locally at the true positions) and, inside the attention function, all-gathers
-the group's keys and values along the sequence; its queries attend to all ``S`` keys under a causal + document mask
-built once per micro-batch from the row's global positions (Transformers' packed-sequence rule). Nothing splits heads,
-so GQA (12/2, 28/4, ...) and DeepSeek's MLA (key head 192, value head 128) run unchanged at any ``N``; DeepSpeed's
-Ulysses needs heads divisible by ``N`` and keys shaped like values. The all-gather's backward sums the group's key and
-value gradients and keeps this rank's slice (a reduce-scatter; gloo has none: all-reduce, then slice).
+the group's keys and values along the sequence; its queries attend to the keys they can see under the causal +
+document rule read from the whole rows' positions (Transformers' packed-sequence rule), in chunks of queries whose
+small masks are rebuilt in backward (:class:`RowLayout`), so no ``[S/N × S]`` mask is ever held. Nothing splits
+heads, so GQA (12/2, 28/4, ...) and DeepSeek's MLA (key head 192, value head 128) run unchanged at any ``N``;
+DeepSpeed's Ulysses needs heads divisible by ``N`` and keys shaped like values. The all-gather's backward sums the
+group's key and value gradients and keeps this rank's slice (a reduce-scatter; gloo has none: all-reduce, then slice).
 
 DeepSpeed owns the groups and the gradient reduction: ``deepspeed.initialize(mpu=parallel_state_sp)`` partitions ZeRO
 over the sequence × data-parallel ranks and divides the summed gradients by the data-parallel size (world / N); its
 config check counts whole sequences (``train_batch_size = micro × accumulation × world / N``).
 
 Per layer and micro-row the all-gather moves ``(N-1)/N · S · (k_dim + v_dim) · kv_heads · bytes`` into each rank in
-the forward (again under activation checkpointing) and reduces as much in the backward; no extra FLOPs.
+the forward (again under activation checkpointing) and reduces as much in the backward. FLOPs: the chunks'
+attention forward once more in backward (the masks are not kept); keys after a chunk's last query are skipped.
 """
 
 from __future__ import annotations
 
 import contextlib
+import weakref
 from collections.abc import Iterator
 from dataclasses import dataclass
 from typing import Any
@@ -26,6 +29,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 from torch import nn
+from torch.utils.checkpoint import checkpoint
 
 from deepzero.errors import UserError
 
@@ -120,8 +124,9 @@ def document_ids(position_ids: torch.Tensor) -> torch.Tensor:
 
 
 def shard(batch: dict[str, torch.Tensor], rank: int, size: int) -> dict[str, torch.Tensor]:
-    """Slice ``rank`` of ``size`` of every ``[batch, seq]`` tensor, plus ``attention_mask`` ``[batch, 1, S/size, S]``
-    (True: attend) from the whole rows' positions: causal and within one document."""
+    """Slice ``rank`` of ``size`` of every ``[batch, seq]`` tensor, ``position_ids`` always (the whole rows' own or
+    ``arange``): the attention reads the rows' documents from them (:class:`RowLayout`). A padding
+    ``attention_mask`` is dropped: the loss masks padding, and each padding token is its own document."""
     ids = batch["input_ids"]
     rows, seq = ids.shape
     width = seq // size
@@ -129,14 +134,69 @@ def shard(batch: dict[str, torch.Tensor], rank: int, size: int) -> dict[str, tor
     positions = batch.get("position_ids")
     if positions is None:
         positions = torch.arange(seq, device=ids.device).expand(rows, -1)
-    docs = document_ids(positions)
-    query = torch.arange(start, start + width, device=ids.device)
-    causal = torch.arange(seq, device=ids.device)[None, :] <= query[:, None]
-    same_doc = docs[:, start : start + width, None] == docs[:, None, :]
     out = {k: v[:, start : start + width].contiguous() for k, v in batch.items() if v.dim() == 2 and v.shape[1] == seq}
+    out.pop("attention_mask", None)
     out["position_ids"] = positions[:, start : start + width].contiguous()
-    out["attention_mask"] = (causal[None] & same_doc)[:, None]
     return out
+
+
+MASK_ELEMENTS = 2**25
+"""Most query × key mask entries one attention chunk builds (all rows; 128 MiB as sdpa's float mask): a rank's
+queries are cut into chunks of ``MASK_ELEMENTS // (rows × seq)`` so no [seq/N × seq] mask is ever held."""
+
+
+@dataclass(frozen=True)
+class RowLayout:
+    """The whole rows' documents, as one rank's attention reads them, and its queries cut into chunks."""
+
+    docs: torch.Tensor
+    """``[rows, seq]``: the packed document of each position (:func:`document_ids`)."""
+    start: int
+    """The rank's first query, as a position in the whole row."""
+    chunks: tuple[tuple[int, int, int], ...]
+    """``(first query, end query, first key)``: queries local to the slice, the key a position in the whole row
+    (the earliest document start any row needs; later keys than the chunk's last query are never visible)."""
+
+    @classmethod
+    def of(cls, positions: torch.Tensor, rank: int, size: int, mask_elements: int | None = None) -> RowLayout:
+        """The layout for the whole rows' ``positions`` ``[rows, seq]`` (one host sync per micro-batch)."""
+        rows, seq = positions.shape
+        width = seq // size
+        docs = document_ids(positions)
+        index = torch.arange(seq, device=positions.device).expand(rows, -1)
+        new_doc = torch.diff(docs, prepend=docs[:, :1] - 1, dim=-1) != 0
+        doc_start = torch.where(new_doc, index, torch.zeros_like(index)).cummax(-1).values
+        step = max(1, min(width, (mask_elements or MASK_ELEMENTS) // (rows * seq)))
+        firsts = list(range(0, width, step))
+        keys = doc_start[:, [rank * width + q for q in firsts]].min(0).values.tolist()
+        chunks = tuple((q, min(q + step, width), k) for q, k in zip(firsts, keys, strict=True))
+        return cls(docs, rank * width, chunks)
+
+    def mask(self, first: int, end: int, first_key: int) -> torch.Tensor:
+        """``[rows, 1, end - first, keys]`` (True: attend) of queries ``first:end`` against keys ``first_key`` up to
+        the last query: causal and within one document."""
+        query = torch.arange(self.start + first, self.start + end, device=self.docs.device)
+        key = torch.arange(first_key, self.start + end, device=self.docs.device)
+        causal = key[None, :] <= query[:, None]
+        same_doc = self.docs[:, query, None] == self.docs[:, None, key]
+        return (causal[None] & same_doc)[:, None]
+
+
+_LAYOUT: tuple[Any, RowLayout] | None = None
+"""The last micro-batch's layout and a weak reference to its local ``position_ids`` (every layer gets that tensor)."""
+
+
+def row_layout(position_ids: torch.Tensor, group: Any) -> RowLayout:
+    """The layout of the rows whose slice ``position_ids`` is: the group's slices gathered once per micro-batch."""
+    global _LAYOUT
+    if _LAYOUT is not None and _LAYOUT[0]() is position_ids:
+        return _LAYOUT[1]
+    size = dist.get_world_size(group)
+    parts = [torch.empty_like(position_ids) for _ in range(size)]
+    dist.all_gather(parts, position_ids.contiguous(), group=group)
+    layout = RowLayout.of(torch.cat(parts, dim=1), dist.get_rank(group), size)
+    _LAYOUT = (weakref.ref(position_ids), layout)
+    return layout
 
 
 class _GatherSequence(torch.autograd.Function):
@@ -168,22 +228,55 @@ def gather_sequence(x: torch.Tensor, group: Any) -> torch.Tensor:
     return _GatherSequence.apply(x, group)
 
 
+def _chunk_attention(
+    module: nn.Module,
+    query: torch.Tensor,
+    key: torch.Tensor,
+    value: torch.Tensor,
+    layout: RowLayout,
+    chunk: tuple[int, int, int],
+    kwargs: dict[str, Any],
+) -> torch.Tensor:
+    """Transformers' sdpa of one chunk of queries against its keys, under the chunk's mask, ``[b, q, h, v_dim]``."""
+    from transformers.integrations.sdpa_attention import sdpa_attention_forward
+
+    return sdpa_attention_forward(module, query, key, value, layout.mask(*chunk), **kwargs)[0]
+
+
 def sequence_attention(
     module: nn.Module,
     query: torch.Tensor,
     key: torch.Tensor,
     value: torch.Tensor,
     attention_mask: torch.Tensor | None,
+    position_ids: torch.Tensor | None = None,
     **kwargs: Any,
 ) -> tuple[torch.Tensor, None]:
     """Transformers' attention interface: local queries ``[b, h, S/N, d]`` against the group's gathered keys and
-    values (any kv-head count, key and value dims may differ: MLA), under the micro-batch's 4-D mask (:func:`shard`)."""
-    from transformers.integrations.sdpa_attention import sdpa_attention_forward
-
+    values (any kv-head count, key and value dims may differ: MLA), chunk by chunk of queries. Each chunk's mask (and
+    GQA's repeated keys) is rebuilt in backward (checkpointed), so a layer keeps only its queries, the gathered keys
+    and values and its output: no [S/N × S] tensor, at the price of one more attention forward per layer."""
+    if position_ids is None:
+        raise RuntimeError("sequence-parallel attention needs the slice's position_ids (sequence_parallel.shard)")
     key, value = gather_sequence(key, _GROUP), gather_sequence(value, _GROUP)
-    if attention_mask is None or attention_mask.shape[-1] != key.shape[2]:
-        raise RuntimeError("sequence-parallel attention needs the micro-batch's mask from sequence_parallel.shard")
-    return sdpa_attention_forward(module, query, key, value, attention_mask, **kwargs)
+    layout = row_layout(position_ids, _GROUP)
+    outputs = []
+    for first, end, first_key in layout.chunks:
+        keys = slice(first_key, layout.start + end)
+        outputs.append(
+            checkpoint(
+                _chunk_attention,
+                module,
+                query[:, :, first:end],
+                key[:, :, keys],
+                value[:, :, keys],
+                layout,
+                (first, end, first_key),
+                kwargs,
+                use_reentrant=False,
+            )
+        )
+    return torch.cat(outputs, dim=1), None
 
 
 def attention_shape(config: Any) -> tuple[int, int, int]:

@@ -104,6 +104,7 @@ def _worker(rank: int, port: int, out: str) -> None:
     group = dist.new_group(list(range(SIZE)))
     alone = [dist.new_group([r]) for r in range(SIZE)][rank]
     groups = sp.SequenceGroups(SIZE, rank, group, 0, 1, None)
+    sp.MASK_ELEMENTS = 2 * SEQ * 3  # chunks of 3, 3 and 2 queries: every slice's attention in uneven chunks
     results = {}
     for name, config in shapes().items():
         for variant in ("plain", *VARIANTS.get(name, ())):
@@ -179,12 +180,18 @@ def test_shard_keeps_positions_and_masks_documents_across_the_boundary() -> None
     batch = global_batch(128)
     middle = sp.shard(batch, 1, SIZE)
     assert middle["position_ids"][0].tolist() == [3, 4, 5, 6, 7, 8, 9, 10]  # document 2 of row 0, from its 4th token
-    mask = middle["attention_mask"][0, 0]
-    assert mask.shape == (8, SEQ)
+    assert "attention_mask" not in middle  # no [S/N x S] mask travels with the batch
+    layout = sp.RowLayout.of(batch["position_ids"], 1, SIZE)
+    assert layout.chunks == ((0, 8, 0),)  # one chunk, keys from the earliest document start (row 1's, at 0)
+    mask = layout.mask(0, 8, 0)[0, 0]
+    assert mask.shape == (8, 16)  # no key after the slice's last query
     assert mask[0].nonzero().squeeze(1).tolist() == [5, 6, 7, 8]  # query 8: its document from 5, causal
-    assert not mask[:, :5].any() and not mask[:, 16:].any()
-    last = sp.shard(batch, 2, SIZE)["attention_mask"][1, 0]
-    assert last[0].nonzero().squeeze(1).tolist() == [16]  # a document starting exactly at the shard boundary
+    assert not mask[:, :5].any()
+    last = sp.RowLayout.of(batch["position_ids"], 2, SIZE)
+    assert last.mask(0, 8, 16)[1, 0, 0].nonzero().squeeze(1).tolist() == [0]  # a document starting at the boundary
+    small = sp.RowLayout.of(batch["position_ids"], 1, SIZE, mask_elements=2 * SEQ * 3)
+    assert small.chunks == ((0, 3, 0), (3, 6, 5), (6, 8, 5))  # 3 queries each; keys before 5 are no one's there
+    assert small.mask(3, 6, 5).shape == (2, 1, 3, 9)
 
 
 def test_sequence_length_not_divisible_is_one_line() -> None:
@@ -353,3 +360,33 @@ def test_rows_not_divisible_by_the_group_are_refused_at_start(tiny_data: Path, t
     with pytest.raises(UserError) as err:
         plan_run(parse_args([*argv, "--sequence-parallel", "3"]), 3)
     assert f"{tiny_data}/meta.json" in str(err.value) and "seq_len 64 is not divisible" in str(err.value)
+
+
+@pytest.mark.launcher
+def test_two_nodes_of_three_ranks_train_sequence_parallel_3_by_data_parallel_2(data66: Path, tmp_path: Path) -> None:
+    """The loopback two-node launch (tests/test_multinode.py's, 3 slots per node): each node's 3 ranks are one
+    sequence group, the 2 groups data-parallel over the nodes; the curve is that of 2 data-parallel ranks without
+    sequence parallelism on the same global batch (the sampler gives each group its data-parallel rank's rows)."""
+    from conftest import launch, losses, records
+    from test_multinode import launch_nodes
+
+    args = [*ZERO2, *run_args(data66, tmp_path / "multi"), "--grad-accum", "1", "--eval-interval", "0",
+            "--save-interval", "0", "--no-export"]  # fmt: skip
+    hostfile = tmp_path / "hostfile"
+    hostfile.write_text("node0 slots=3\nnode1 slots=3\n")
+    results = launch_nodes([*args, *SP3], hostfile, tmp_path)
+    for node, (code, out) in enumerate(results):
+        assert code == 0, f"node {node} exit {code}\n{out[-4000:]}"
+    node0 = results[0][1]
+    assert "nnodes=2, num_local_procs=3, node_rank=0" in node0 and "world 6 on cpu" in node0
+    assert "sequence parallel 3 × data-parallel 2" in node0
+    assert "micro 2 × accumulation 1 × data-parallel 2 = global 4 sequences = 264 tokens/step" in node0
+
+    ref_args = [a if a != str(tmp_path / "multi") else str(tmp_path / "dp2") for a in args]
+    launch(ref_args, nproc=2)
+    ref, got = losses(tmp_path / "dp2"), losses(tmp_path / "multi")
+    assert sorted(got) == sorted(ref) == [1, 2, 3, 4]
+    for step in ref:
+        assert got[step] == pytest.approx(ref[step], rel=2e-5), (step, ref, got)
+    grads = ([r["grad_norm"] for r in records(d)] for d in (tmp_path / "dp2", tmp_path / "multi"))
+    assert next(grads) == pytest.approx(next(grads), rel=1e-4)
