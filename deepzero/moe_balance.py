@@ -44,6 +44,7 @@ from torch import nn
 from deepzero.data import IGNORE_INDEX
 from deepzero.errors import UserError
 from deepzero.flops import routed_experts
+from deepzero.sequence_parallel import local_part
 
 MODES = ("auto", "bias", "aux", "both", "off")
 DEFAULT_BIAS_RATE = 0.001
@@ -325,9 +326,8 @@ class Balancer:
         if k >= len(self.step_tokens) or self.step_tokens[k] is None:
             return None
         real = self.step_tokens[k]
-        if self.sequence is not None:  # the router sees this rank's slice of every row
-            width = real.shape[1] // self.sequence.size
-            real = real[:, self.sequence.rank * width : (self.sequence.rank + 1) * width]
+        if self.sequence is not None:  # the router sees this rank's part of every row
+            real = local_part(real, self.sequence.rank, self.sequence.size)
         real = real.reshape(-1)
         if real.numel() != tokens:
             raise RuntimeError(f"router {index}: call {k} routes {tokens} tokens, micro-batch {k} has {real.numel()}")

@@ -547,8 +547,8 @@ def sequence_mask_bytes(setup: Setup) -> int:
         return 0
     from deepzero.sequence_parallel import MASK_ELEMENTS
 
-    width = setup.seq_len // setup.sequence_parallel
-    elements = min(MASK_ELEMENTS, setup.micro_batch * width * setup.seq_len)
+    piece = setup.seq_len // (2 * setup.sequence_parallel)  # a chunk's queries lie in one of the rank's two pieces
+    elements = min(MASK_ELEMENTS, setup.micro_batch * piece * setup.seq_len)
     return elements * (1 + (4 if setup.precision == "fp32" else 2))
 
 

@@ -289,6 +289,9 @@ def setup(args: TrainArgs) -> Run:
             "size": sequence_size(plan.engine_settings),
             "data_parallel": plan.cfg.batch.dp_size,
             "method": "all-gather context parallelism" if sequence_size(plan.engine_settings) > 1 else "off",
+            "cut": "2N pieces per row, rank r keeps pieces r and 2N-1-r"
+            if sequence_size(plan.engine_settings) > 1
+            else "off",
         },
         "env": redact(report.launch_env()),
     }

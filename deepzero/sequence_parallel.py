@@ -1,8 +1,9 @@
 """Sequence parallelism: every sequence split over ``N`` ranks, for any head count (all-gather context parallelism).
 
-Each rank of a sequence group keeps its contiguous ``S/N`` slice of every row (its queries, targets and per-document
-``position_ids``, so RoPE is applied locally at the true positions) and, inside the attention function, all-gathers
-the group's keys and values along the sequence; its queries attend to the keys they can see under the causal +
+Each rank of a sequence group keeps ``S/N`` tokens of every row, two pieces of ``S/2N`` (piece ``r`` and piece
+``2N-1-r``: every rank then scores as many keys under causal attention), with their queries, targets and
+per-document ``position_ids`` (RoPE is applied locally at the true positions) and, inside the attention function,
+all-gathers the group's keys and values along the sequence; its queries attend to the keys they can see under the causal +
 document rule read from the whole rows' positions (Transformers' packed-sequence rule), in chunks of queries whose
 small masks are rebuilt in backward (:class:`RowLayout`), so no ``[S/N × S]`` mask is ever held. Nothing splits
 heads, so GQA (12/2, 28/4, ...) and DeepSeek's MLA (key head 192, value head 128) run unchanged at any ``N``;
@@ -70,7 +71,7 @@ class SequenceGroups:
         return cls(size, rank % size, sp.get_sequence_parallel_group(), rank // size, world // size, dp_group)
 
     def shard(self, batch: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
-        """This rank's slice of a micro-batch and the 4-D mask of its queries against the whole rows."""
+        """This rank's part of a micro-batch (:func:`shard`)."""
         return shard(batch, self.rank, self.size)
 
 
@@ -106,14 +107,38 @@ def whole_rows(model: nn.Module) -> Iterator[None]:
 
 
 def check_divisible(seq_len: int, size: int, data: Any) -> None:
-    """One line at start when rows cannot be cut into ``size`` equal slices."""
-    if size > 1 and seq_len % size:
-        lower, upper = seq_len - seq_len % size, seq_len - seq_len % size + size
+    """One line at start when rows cannot be cut into ``2 × size`` equal pieces (:func:`pieces`)."""
+    parts = 2 * size
+    if size > 1 and seq_len % parts:
+        lower, upper = seq_len - seq_len % parts, seq_len - seq_len % parts + parts
         raise UserError(
             f"{data}/meta.json",
-            f"seq_len {seq_len} is not divisible by sequence_parallel_size {size}",
+            f"seq_len {seq_len} is not divisible by 2 × sequence_parallel_size = {parts} (each rank keeps two"
+            " equal pieces of every row)",
             f"re-run data/prepare.py with --seq-len {lower or upper} or {upper}",
         )
+
+
+def pieces(seq: int, rank: int, size: int) -> tuple[tuple[int, int], tuple[int, int]]:
+    """The two pieces of a row of ``seq`` that ``rank`` keeps, ``(start, end)`` each: the row cut into ``2 × size``
+    equal pieces, rank r keeps piece r and piece 2·size − 1 − r, so under causal attention every rank scores as
+    many keys (the balanced cut of Llama 3's context parallelism)."""
+    half = seq // (2 * size)
+    return (rank * half, (rank + 1) * half), ((2 * size - 1 - rank) * half, (2 * size - rank) * half)
+
+
+def local_part(x: torch.Tensor, rank: int, size: int, dim: int = 1) -> torch.Tensor:
+    """``rank``'s two pieces of ``x`` along ``dim`` (a whole row's length), joined."""
+    (a, b), (c, d) = pieces(x.shape[dim], rank, size)
+    return torch.cat([x.narrow(dim, a, b - a), x.narrow(dim, c, d - c)], dim=dim)
+
+
+def whole_row(parts: list[torch.Tensor], dim: int) -> torch.Tensor:
+    """The whole rows from the group's local parts (``parts[r]``: rank r's two pieces along ``dim``), in order."""
+    size = len(parts)
+    halves = [h for part in parts for h in part.chunk(2, dim=dim)]  # piece r at 2r, piece 2N-1-r at 2r+1
+    order = [2 * p if p < size else 2 * (2 * size - 1 - p) + 1 for p in range(2 * size)]
+    return torch.cat([halves[i] for i in order], dim=dim)
 
 
 def document_ids(position_ids: torch.Tensor) -> torch.Tensor:
@@ -124,19 +149,17 @@ def document_ids(position_ids: torch.Tensor) -> torch.Tensor:
 
 
 def shard(batch: dict[str, torch.Tensor], rank: int, size: int) -> dict[str, torch.Tensor]:
-    """Slice ``rank`` of ``size`` of every ``[batch, seq]`` tensor, ``position_ids`` always (the whole rows' own or
+    """``rank``'s two pieces (:func:`pieces`) of every ``[batch, seq]`` tensor, ``position_ids`` always (the whole rows' own or
     ``arange``): the attention reads the rows' documents from them (:class:`RowLayout`). A padding
     ``attention_mask`` is dropped: the loss masks padding, and each padding token is its own document."""
     ids = batch["input_ids"]
     rows, seq = ids.shape
-    width = seq // size
-    start = rank * width
     positions = batch.get("position_ids")
     if positions is None:
         positions = torch.arange(seq, device=ids.device).expand(rows, -1)
-    out = {k: v[:, start : start + width].contiguous() for k, v in batch.items() if v.dim() == 2 and v.shape[1] == seq}
+    out = {k: local_part(v, rank, size) for k, v in batch.items() if v.dim() == 2 and v.shape[1] == seq}
     out.pop("attention_mask", None)
-    out["position_ids"] = positions[:, start : start + width].contiguous()
+    out["position_ids"] = local_part(positions, rank, size)
     return out
 
 
@@ -151,32 +174,35 @@ class RowLayout:
 
     docs: torch.Tensor
     """``[rows, seq]``: the packed document of each position (:func:`document_ids`)."""
-    start: int
-    """The rank's first query, as a position in the whole row."""
-    chunks: tuple[tuple[int, int, int], ...]
-    """``(first query, end query, first key)``: queries local to the slice, the key a position in the whole row
-    (the earliest document start any row needs; later keys than the chunk's last query are never visible)."""
+    chunks: tuple[tuple[int, int, int, int], ...]
+    """``(first query, end query, its position in the row, first key)``: the queries local to this rank (its two
+    pieces, joined), the key a position in the row (the earliest document start any row needs; keys after the
+    chunk's last query are never visible)."""
 
     @classmethod
     def of(cls, positions: torch.Tensor, rank: int, size: int, mask_elements: int | None = None) -> RowLayout:
         """The layout for the whole rows' ``positions`` ``[rows, seq]`` (one host sync per micro-batch)."""
         rows, seq = positions.shape
-        width = seq // size
         docs = document_ids(positions)
         index = torch.arange(seq, device=positions.device).expand(rows, -1)
         new_doc = torch.diff(docs, prepend=docs[:, :1] - 1, dim=-1) != 0
         doc_start = torch.where(new_doc, index, torch.zeros_like(index)).cummax(-1).values
-        step = max(1, min(width, (mask_elements or MASK_ELEMENTS) // (rows * seq)))
-        firsts = list(range(0, width, step))
-        keys = doc_start[:, [rank * width + q for q in firsts]].min(0).values.tolist()
-        chunks = tuple((q, min(q + step, width), k) for q, k in zip(firsts, keys, strict=True))
-        return cls(docs, rank * width, chunks)
+        pieces_ = pieces(seq, rank, size)
+        half = pieces_[0][1] - pieces_[0][0]
+        step = max(1, min(half, (mask_elements or MASK_ELEMENTS) // (rows * seq)))
+        chunks = [
+            (local + q, local + min(q + step, half), start + q)
+            for local, (start, _) in zip((0, half), pieces_, strict=True)
+            for q in range(0, half, step)
+        ]
+        keys = doc_start[:, [row for _, _, row in chunks]].min(0).values.tolist()
+        return cls(docs, tuple((*chunk, key) for chunk, key in zip(chunks, keys, strict=True)))
 
-    def mask(self, first: int, end: int, first_key: int) -> torch.Tensor:
-        """``[rows, 1, end - first, keys]`` (True: attend) of queries ``first:end`` against keys ``first_key`` up to
-        the last query: causal and within one document."""
-        query = torch.arange(self.start + first, self.start + end, device=self.docs.device)
-        key = torch.arange(first_key, self.start + end, device=self.docs.device)
+    def mask(self, first: int, end: int, row: int, first_key: int) -> torch.Tensor:
+        """``[rows, 1, end - first, keys]`` (True: attend) of the queries ``first:end`` (from position ``row``)
+        against the keys ``first_key`` up to the last query: causal and within one document."""
+        query = torch.arange(row, row + end - first, device=self.docs.device)
+        key = torch.arange(first_key, row + end - first, device=self.docs.device)
         causal = key[None, :] <= query[:, None]
         same_doc = self.docs[:, query, None] == self.docs[:, None, key]
         return (causal[None] & same_doc)[:, None]
@@ -194,32 +220,33 @@ def row_layout(position_ids: torch.Tensor, group: Any) -> RowLayout:
     size = dist.get_world_size(group)
     parts = [torch.empty_like(position_ids) for _ in range(size)]
     dist.all_gather(parts, position_ids.contiguous(), group=group)
-    layout = RowLayout.of(torch.cat(parts, dim=1), dist.get_rank(group), size)
+    layout = RowLayout.of(whole_row(parts, dim=1), dist.get_rank(group), size)
     _LAYOUT = (weakref.ref(position_ids), layout)
     return layout
 
 
 class _GatherSequence(torch.autograd.Function):
-    """All-gather along dim 2 (``[batch, heads, seq/N, dim]`` → ``[batch, heads, seq, dim]``); backward: the
-    group's gradients summed, this rank's slice kept."""
+    """All-gather along dim 2 (``[batch, heads, seq/N, dim]`` → ``[batch, heads, seq, dim]``, the pieces put back
+    in row order); backward: the group's gradients summed, this rank's pieces kept."""
 
     @staticmethod
     def forward(ctx: Any, x: torch.Tensor, group: Any) -> torch.Tensor:
-        ctx.group, ctx.width = group, x.shape[2]
+        ctx.group = group
         parts = [torch.empty_like(x) for _ in range(dist.get_world_size(group))]
         dist.all_gather(parts, x.contiguous(), group=group)
-        return torch.cat(parts, dim=2)
+        return whole_row(parts, dim=2)
 
     @staticmethod
     def backward(ctx: Any, grad: torch.Tensor) -> tuple[torch.Tensor, None]:
-        grad = grad.contiguous()
-        rank, width = dist.get_rank(ctx.group), ctx.width
-        if dist.get_backend(ctx.group) == "gloo":  # gloo has no reduce_scatter
-            dist.all_reduce(grad, group=ctx.group)
-            return grad.narrow(2, rank * width, width).contiguous(), None
-        chunks = [c.contiguous() for c in grad.split(width, dim=2)]
+        group = ctx.group
+        rank, size = dist.get_rank(group), dist.get_world_size(group)
+        if dist.get_backend(group) == "gloo":  # gloo has no reduce_scatter
+            grad = grad.contiguous()
+            dist.all_reduce(grad, group=group)
+            return local_part(grad, rank, size, dim=2).contiguous(), None
+        chunks = [local_part(grad, r, size, dim=2).contiguous() for r in range(size)]
         out = torch.empty_like(chunks[rank])
-        dist.reduce_scatter(out, chunks, group=ctx.group)
+        dist.reduce_scatter(out, chunks, group=group)
         return out, None
 
 
@@ -234,7 +261,7 @@ def _chunk_attention(
     key: torch.Tensor,
     value: torch.Tensor,
     layout: RowLayout,
-    chunk: tuple[int, int, int],
+    chunk: tuple[int, int, int, int],
     kwargs: dict[str, Any],
 ) -> torch.Tensor:
     """Transformers' sdpa of one chunk of queries against its keys, under the chunk's mask, ``[b, q, h, v_dim]``."""
@@ -261,8 +288,8 @@ def sequence_attention(
     key, value = gather_sequence(key, _GROUP), gather_sequence(value, _GROUP)
     layout = row_layout(position_ids, _GROUP)
     outputs = []
-    for first, end, first_key in layout.chunks:
-        keys = slice(first_key, layout.start + end)
+    for first, end, row, first_key in layout.chunks:
+        keys = slice(first_key, row + end - first)
         outputs.append(
             checkpoint(
                 _chunk_attention,
@@ -271,7 +298,7 @@ def sequence_attention(
                 key[:, :, keys],
                 value[:, :, keys],
                 layout,
-                (first, end, first_key),
+                (first, end, row, first_key),
                 kwargs,
                 use_reentrant=False,
             )

@@ -44,8 +44,9 @@ def shapes() -> dict[str, Any]:
 
 
 def global_batch(vocab: int) -> dict[str, torch.Tensor]:
-    """Two packed rows of 24 (shards of 8): documents end inside a shard (row 0 at 5, row 1 at 11) and exactly at a
-    shard boundary (16); chat prompts (-100 runs); row 1's last shard and row 0's last shard have no target."""
+    """Two packed rows of 24 (6 pieces of 4: rank 0 keeps 0-4 and 20-24, rank 1 4-8 and 16-20, rank 2 8-16):
+    documents end inside a piece (row 0 at 5, row 1 at 11) and exactly at a piece boundary (16, between ranks 2
+    and 1); chat prompts (-100 runs, one straddling the boundary at 8); rank 2's pieces have no target."""
     gen = torch.Generator().manual_seed(1)
     ids = torch.randint(0, vocab, (2, SEQ), generator=gen)
     positions = torch.stack([
@@ -54,8 +55,8 @@ def global_batch(vocab: int) -> dict[str, torch.Tensor]:
     ])  # fmt: skip
     labels = torch.randint(0, vocab, (2, SEQ), generator=gen)
     labels[0, 4] = labels[1, 10] = labels[:, 15] = -100  # no target across a document end
-    labels[0, 5:9] = -100  # a prompt straddling the first shard boundary
-    labels[:, 16:] = -100  # the last shard: prompts only
+    labels[0, 5:9] = -100  # a prompt straddling the boundary between ranks 1 and 2
+    labels[:, 8:16] = -100  # rank 2's part: prompts only
     return {"input_ids": ids, "labels": labels, "shift_labels": labels, "position_ids": positions}
 
 
@@ -104,7 +105,7 @@ def _worker(rank: int, port: int, out: str) -> None:
     group = dist.new_group(list(range(SIZE)))
     alone = [dist.new_group([r]) for r in range(SIZE)][rank]
     groups = sp.SequenceGroups(SIZE, rank, group, 0, 1, None)
-    sp.MASK_ELEMENTS = 2 * SEQ * 3  # chunks of 3, 3 and 2 queries: every slice's attention in uneven chunks
+    sp.MASK_ELEMENTS = 2 * SEQ * 3  # chunks of 3 and 1 queries per piece: every piece's attention in uneven chunks
     results = {}
     for name, config in shapes().items():
         for variant in ("plain", *VARIANTS.get(name, ())):
@@ -179,26 +180,30 @@ def test_three_way_sequence_parallel_equals_one_rank_for_every_attention_shape(t
 def test_shard_keeps_positions_and_masks_documents_across_the_boundary() -> None:
     batch = global_batch(128)
     middle = sp.shard(batch, 1, SIZE)
-    assert middle["position_ids"][0].tolist() == [3, 4, 5, 6, 7, 8, 9, 10]  # document 2 of row 0, from its 4th token
+    assert middle["position_ids"][0].tolist() == [4, 0, 1, 2, 0, 1, 2, 3]  # row 0 at 4-8 and 16-20
     assert "attention_mask" not in middle  # no [S/N x S] mask travels with the batch
+    parts = [sp.shard(batch, r, SIZE)["input_ids"] for r in range(SIZE)]
+    assert torch.equal(sp.whole_row(parts, dim=1), batch["input_ids"])
     layout = sp.RowLayout.of(batch["position_ids"], 1, SIZE)
-    assert layout.chunks == ((0, 8, 0),)  # one chunk, keys from the earliest document start (row 1's, at 0)
-    mask = layout.mask(0, 8, 0)[0, 0]
-    assert mask.shape == (8, 16)  # no key after the slice's last query
-    assert mask[0].nonzero().squeeze(1).tolist() == [5, 6, 7, 8]  # query 8: its document from 5, causal
-    assert not mask[:, :5].any()
+    assert layout.chunks == ((0, 4, 4, 0), (4, 8, 16, 16))  # per piece; keys from the earliest document start
+    mask = layout.mask(0, 4, 4, 0)[0, 0]
+    assert mask.shape == (4, 8)  # no key after the piece's last query
+    assert mask[0].nonzero().squeeze(1).tolist() == [0, 1, 2, 3, 4]  # query 4: its document 0-5, causal
+    assert mask[1].nonzero().squeeze(1).tolist() == [5]  # query 5: the first of its document
+    assert layout.mask(4, 8, 16, 16)[1, 0, 0].nonzero().squeeze(1).tolist() == [0]  # a document starting at 16
     last = sp.RowLayout.of(batch["position_ids"], 2, SIZE)
-    assert last.mask(0, 8, 16)[1, 0, 0].nonzero().squeeze(1).tolist() == [0]  # a document starting at the boundary
+    assert last.chunks == ((0, 4, 8, 0), (4, 8, 12, 5))  # no row needs a key before 5 for queries 12-16
     small = sp.RowLayout.of(batch["position_ids"], 1, SIZE, mask_elements=2 * SEQ * 3)
-    assert small.chunks == ((0, 3, 0), (3, 6, 5), (6, 8, 5))  # 3 queries each; keys before 5 are no one's there
-    assert small.mask(3, 6, 5).shape == (2, 1, 3, 9)
+    assert small.chunks == ((0, 3, 4, 0), (3, 4, 7, 0), (4, 7, 16, 16), (7, 8, 19, 16))  # 3 queries at most
+    assert small.mask(7, 8, 19, 16).shape == (2, 1, 1, 4)
 
 
 def test_sequence_length_not_divisible_is_one_line() -> None:
     with pytest.raises(UserError) as err:
         sp.check_divisible(64, 3, "data/x")
     assert str(err.value).count("\n") == 0
-    assert "data/x/meta.json" in str(err.value) and "--seq-len 63 or 66" in str(err.value)
+    assert "data/x/meta.json" in str(err.value) and "--seq-len 60 or 66" in str(err.value)
+    assert "2 × sequence_parallel_size = 6" in str(err.value)
     sp.check_divisible(66, 3, "data/x")
 
 
@@ -240,13 +245,14 @@ loss off by 4e-5.)"""
 @pytest.fixture(scope="module")
 def zero2_runs(data66: Path, tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, Path, str]:
     """Global batch 4 rows of 66, 4 steps, V3's default balancing (bias + sequence-wise loss): one ZeRO-2 rank and
-    3 ranks in one sequence group with activation checkpointing, eval and the export. Returns both folders and
+    3 ranks in one sequence group with activation checkpointing and its offload, eval and the export. Returns both folders and
     the SP run's log."""
     from conftest import launch
 
     root = tmp_path_factory.mktemp("sp_zero2")
     launch([*ZERO2, *run_args(data66, root / "one")], nproc=1)
-    sp3 = launch([*ZERO2, *SP3, "--gradient-checkpointing", *run_args(data66, root / "sp3")])
+    savers = ["--gradient-checkpointing", "--activation-offload"]
+    sp3 = launch([*ZERO2, *SP3, *savers, *run_args(data66, root / "sp3")])
     return root / "one", root / "sp3", sp3.stdout + sp3.stderr
 
 
@@ -271,21 +277,24 @@ def zero3_runs(data66: Path, tmp_path_factory: pytest.TempPathFactory) -> tuple[
 
 @pytest.mark.launcher
 def test_train_py_sequence_parallel_zero2_trains_one_ranks_curve(zero2_runs: tuple[Path, Path, str]) -> None:
-    """ZeRO-2, activation checkpointing, MoE balancing on: SP 3 trains one rank's loss curve, grad norms and val
+    """ZeRO-2, activation checkpointing and offload, MoE balancing on: SP 3 trains one rank's loss curve, grad norms and val
     loss on the same global batch; the header and run_config.json say the cut; the export reloads."""
     from conftest import losses, records
 
     one, sp3, log = zero2_runs
-    assert "sequence parallel 3 × data-parallel 1" in log and "world 3 on cpu" in log
+    assert "sequence parallel 3 × data-parallel 1 (each sequence in 6 pieces, 2 per rank" in log
+    assert "world 3 on cpu" in log
     assert "micro 2 × accumulation 2 × data-parallel 1 = global 4 sequences = 264 tokens/step" in log
     run_config = json.loads((sp3 / "run_config.json").read_text())
     assert run_config["sequence_parallel"] == {
         "size": 3,
         "data_parallel": 1,
         "method": "all-gather context parallelism",
+        "cut": "2N pieces per row, rank r keeps pieces r and 2N-1-r",
     }
     assert run_config["deepspeed"]["sequence_parallel_size"] == 3
     assert run_config["moe_balance"]["mode"] == "both"
+    assert run_config["memory_savers"]["offload_checkpoints"]
     ref, got = losses(one), losses(sp3)
     assert sorted(got) == [1, 2, 3, 4]
     for step in ref:

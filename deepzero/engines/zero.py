@@ -98,7 +98,7 @@ class ZeroEngine(DeepSpeedBacked):
             return where
         return (
             f"{where}  sequence parallel {self.sequence.size} × data-parallel {self.dp_size}"
-            f" (each sequence in {self.sequence.size} slices, keys/values all-gathered)"
+            f" (each sequence in {2 * self.sequence.size} pieces, 2 per rank, keys/values all-gathered)"
         )
 
     def train_step(self, batches: Iterator[Batch]) -> torch.Tensor:
