@@ -241,7 +241,7 @@ class _GatherSequence(torch.autograd.Function):
         group = ctx.group
         rank, size = dist.get_rank(group), dist.get_world_size(group)
         if dist.get_backend(group) == "gloo":  # gloo has no reduce_scatter
-            grad = grad.contiguous()
+            grad = grad.clone(memory_format=torch.contiguous_format)  # autograd's tensor is not ours to change
             dist.all_reduce(grad, group=group)
             return local_part(grad, rank, size, dim=2).contiguous(), None
         chunks = [local_part(grad, r, size, dim=2).contiguous() for r in range(size)]

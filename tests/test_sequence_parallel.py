@@ -7,11 +7,13 @@ and ZeRO-3, LoRA, a resume, the export), and the one-line refusals."""
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import shutil
 from pathlib import Path
 from typing import Any
+from unittest import mock
 
 import pytest
 import torch
@@ -399,3 +401,50 @@ def test_two_nodes_of_three_ranks_train_sequence_parallel_3_by_data_parallel_2(d
         assert got[step] == pytest.approx(ref[step], rel=2e-5), (step, ref, got)
     grads = ([r["grad_norm"] for r in records(d)] for d in (tmp_path / "dp2", tmp_path / "multi"))
     assert next(grads) == pytest.approx(next(grads), rel=1e-4)
+
+
+def _gather_worker(rank: int, port: int, out: str) -> None:
+    """The all-gather of two pieces per rank and its backward, by gloo's all-reduce path and by the reduce-scatter
+    path NCCL takes (emulated here: gloo has no reduce_scatter)."""
+    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=SIZE)
+    group = dist.new_group(list(range(SIZE)))
+    row = torch.arange(2 * 3 * SEQ, dtype=torch.float32).view(1, 2, SEQ, 3)  # [b, heads, seq, dim], every row alike
+    gen = torch.Generator().manual_seed(rank)  # a different upstream gradient per rank; integers: sums are exact
+    upstream = torch.randint(-50, 50, (1, 2, SEQ, 3), generator=gen).float()
+
+    def reduce_scatter(output: torch.Tensor, inputs: list[torch.Tensor], group: Any = None) -> None:
+        for r, part in enumerate(inputs):
+            part = part.clone()
+            dist.all_reduce(part, group=group)
+            if r == rank:
+                output.copy_(part)
+
+    grads = {}
+    for path in ("gloo", "nccl"):
+        mine = sp.local_part(row, rank, SIZE, dim=2).clone().requires_grad_()
+        with contextlib.ExitStack() as stack:
+            if path == "nccl":
+                stack.enter_context(mock.patch.object(sp.dist, "get_backend", return_value="nccl"))
+                stack.enter_context(mock.patch.object(sp.dist, "reduce_scatter", reduce_scatter))
+            gathered = sp.gather_sequence(mine, group)
+            gathered.backward(upstream)
+        grads[path] = mine.grad
+    total = upstream.clone()
+    dist.all_reduce(total, group=group)
+    result = {
+        "whole_row": torch.equal(gathered, row),
+        "gloo": torch.equal(grads["gloo"], sp.local_part(total, rank, SIZE, dim=2)),
+        "nccl": torch.equal(grads["nccl"], grads["gloo"]),
+    }
+    Path(out, f"gather{rank}.json").write_text(json.dumps(result))
+    dist.destroy_process_group()
+
+
+def test_the_all_gather_puts_the_pieces_in_row_order_and_its_backward_keeps_this_ranks(tmp_path: Path) -> None:
+    mp.spawn(_gather_worker, args=(free_port(), str(tmp_path)), nprocs=SIZE, join=True)
+    for rank in range(SIZE):
+        assert json.loads((tmp_path / f"gather{rank}.json").read_text()) == {
+            "whole_row": True,
+            "gloo": True,
+            "nccl": True,
+        }, rank
