@@ -32,6 +32,7 @@ from deepzero.losses.tiled import MIN_TILE_ROWS
 from deepzero.modeling import planning_config
 from deepzero.precision import requested_precision
 from deepzero.presets import PRESETS
+from deepzero.sequence_parallel import MASK_ELEMENTS
 
 GiB = 2**30
 ADAM_K = 12
@@ -545,8 +546,6 @@ def sequence_mask_bytes(setup: Setup) -> int:
     training dtype), rebuilt per chunk and freed (``sequence_parallel.MASK_ELEMENTS`` bounds it); 0 without it."""
     if setup.sequence_parallel <= 1:
         return 0
-    from deepzero.sequence_parallel import MASK_ELEMENTS
-
     piece = setup.seq_len // (2 * setup.sequence_parallel)  # a chunk's queries lie in one of the rank's two pieces
     elements = min(MASK_ELEMENTS, setup.micro_batch * piece * setup.seq_len)
     return elements * (1 + (4 if setup.precision == "fp32" else 2))

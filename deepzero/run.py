@@ -278,6 +278,7 @@ def setup(args: TrainArgs) -> Run:
         getattr(engine, "sequence", None),  # SP: the routers see slices; the balance loss sums over the group
     )
     state = checkpoint.load(engine, args.checkpoint_dir) if args.resume else checkpoint.TrainState()
+    sequence = sequence_size(plan.engine_settings)
     run_config = {
         "args": vars(args),
         "deepspeed": plan.cfg.ds,
@@ -286,12 +287,10 @@ def setup(args: TrainArgs) -> Run:
         "moe_balance": plan.balance.to_json(),
         "memory_savers": plan.savers.to_json(),
         "sequence_parallel": {
-            "size": sequence_size(plan.engine_settings),
+            "size": sequence,
             "data_parallel": plan.cfg.batch.dp_size,
-            "method": "all-gather context parallelism" if sequence_size(plan.engine_settings) > 1 else "off",
-            "cut": "2N pieces per row, rank r keeps pieces r and 2N-1-r"
-            if sequence_size(plan.engine_settings) > 1
-            else "off",
+            "method": sp.METHOD if sequence > 1 else "off",
+            "cut": sp.CUT if sequence > 1 else "off",
         },
         "env": redact(report.launch_env()),
     }

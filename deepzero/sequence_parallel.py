@@ -3,12 +3,13 @@
 Each rank of a sequence group keeps ``S/N`` tokens of every row, two pieces of ``S/2N`` (piece ``r`` and piece
 ``2N-1-r``: every rank then scores as many keys under causal attention), with their queries, targets and
 per-document ``position_ids`` (RoPE is applied locally at the true positions) and, inside the attention function,
-all-gathers the group's keys and values along the sequence; its queries attend to the keys they can see under the causal +
-document rule read from the whole rows' positions (Transformers' packed-sequence rule), in chunks of queries whose
-small masks are rebuilt in backward (:class:`RowLayout`), so no ``[S/N × S]`` mask is ever held. Nothing splits
-heads, so GQA (12/2, 28/4, ...) and DeepSeek's MLA (key head 192, value head 128) run unchanged at any ``N``;
-DeepSpeed's Ulysses needs heads divisible by ``N`` and keys shaped like values. The all-gather's backward sums the
-group's key and value gradients and keeps this rank's slice (a reduce-scatter; gloo has none: all-reduce, then slice).
+all-gathers the group's keys and values along the sequence; its queries attend to the keys they can see under the
+causal + document rule read from the whole rows' positions (Transformers' packed-sequence rule), in chunks of
+queries whose small masks are rebuilt in backward (:class:`RowLayout`), so no ``[S/N × S]`` mask is ever held.
+Nothing splits heads, so GQA (12/2, 28/4, ...) and DeepSeek's MLA (key head 192, value head 128) run unchanged at
+any ``N``; DeepSpeed's Ulysses needs heads divisible by ``N`` and keys shaped like values. The all-gather's backward
+sums the group's key and value gradients and keeps this rank's pieces (a reduce-scatter; gloo has none: all-reduce,
+then slice).
 
 DeepSpeed owns the groups and the gradient reduction: ``deepspeed.initialize(mpu=parallel_state_sp)`` partitions ZeRO
 over the sequence × data-parallel ranks and divides the summed gradients by the data-parallel size (world / N); its
@@ -34,6 +35,9 @@ from torch.utils.checkpoint import checkpoint
 
 from deepzero.errors import UserError
 
+METHOD = "all-gather context parallelism"
+CUT = "2N pieces per row, rank r keeps pieces r and 2N-1-r"
+"""How the world and each row are cut, as run_config.json says it (:func:`pieces`)."""
 ATTENTION = "deepzero_sequence_parallel"
 """The name of the attention function in Transformers' ``AttentionInterface`` while a model trains under SP."""
 _GROUP: Any = None
@@ -149,9 +153,9 @@ def document_ids(position_ids: torch.Tensor) -> torch.Tensor:
 
 
 def shard(batch: dict[str, torch.Tensor], rank: int, size: int) -> dict[str, torch.Tensor]:
-    """``rank``'s two pieces (:func:`pieces`) of every ``[batch, seq]`` tensor, ``position_ids`` always (the whole rows' own or
-    ``arange``): the attention reads the rows' documents from them (:class:`RowLayout`). A padding
-    ``attention_mask`` is dropped: the loss masks padding, and each padding token is its own document."""
+    """``rank``'s two pieces (:func:`pieces`) of every ``[batch, seq]`` tensor, ``position_ids`` always (the
+    whole rows' own or ``arange``): the attention reads the rows' documents from them (:class:`RowLayout`). A
+    padding ``attention_mask`` is dropped: the loss masks padding, and each padding token is its own document."""
     ids = batch["input_ids"]
     rows, seq = ids.shape
     positions = batch.get("position_ids")
