@@ -160,6 +160,25 @@ class TrainArgs:
         default=None,
         **_help("Balance-loss coefficient (default: the config's aux_loss_alpha; V3 sequence-wise 0.0001)."),
     )
+    preference_loss: Literal["sigmoid", "ipo", "hinge", "simpo"] | None = field(
+        default=None,
+        **_help(
+            "With a preference data folder (prepare --format preference): sigmoid (DPO, the default), ipo, hinge,"
+            " or simpo (reference-free). Losses as TRL's DPOTrainer / CPOTrainer define them: docs/preference.md."
+        ),
+    )
+    beta: float | None = field(default=None, **_help("Preference loss beta (default 0.1; SimPO 2.0)."))
+    label_smoothing: float | None = field(
+        default=None, **_help("sigmoid/simpo: the share of pairs assumed flipped, 0 <= e < 0.5 (default 0).")
+    )
+    simpo_gamma: float | None = field(default=None, **_help("SimPO's target margin gamma (default 0.5)."))
+    reference: Literal["precomputed", "adapters-off"] | None = field(
+        default=None,
+        **_help(
+            "Reference log-probs: precomputed (one pass of the starting weights before training, kept in"
+            " <out>/reference/, the default) or adapters-off (with --lora: the model with its adapters switched off)."
+        ),
+    )
     local_rank: int = field(default=-1, **_help("Set by the deepspeed launcher."))
 
     @property
@@ -196,6 +215,16 @@ class TrainArgs:
             value = getattr(self, name)
             if value is not None and not (math.isfinite(value) and value >= (1e-9 if name == "peak_tflops" else 0)):
                 raise UserError(f"--{name.replace('_', '-')}", f"must be a positive number, got {value}", "pass e.g. 1")
+        if self.beta is not None and not (math.isfinite(self.beta) and self.beta > 0):
+            raise UserError("--beta", f"must be a positive number, got {self.beta}", "pass e.g. --beta 0.1")
+        if self.label_smoothing is not None and not 0 <= self.label_smoothing < 0.5:
+            raise UserError(
+                "--label-smoothing",
+                f"must be in [0, 0.5), got {self.label_smoothing}",
+                "pass e.g. 0.1, or leave it out",
+            )
+        if self.simpo_gamma is not None and not math.isfinite(self.simpo_gamma):
+            raise UserError("--simpo-gamma", f"must be a number, got {self.simpo_gamma}", "pass e.g. 0.5")
         if self.tiled_mlp not in ("on", "off") and not (self.tiled_mlp.isdigit() and int(self.tiled_mlp) >= 1):
             raise UserError(f"--tiled-mlp {self.tiled_mlp}", "not on, off or a tile count", "pass on, off or e.g. 4")
         if self.attn_implementation not in ATTENTION and "/" not in self.attn_implementation:

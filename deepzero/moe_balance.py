@@ -196,9 +196,9 @@ def _group_sums(
 
 
 def padding_id(meta: dict[str, Any]) -> int | None:
-    """The id chat rows are padded with (``data/prepare.py``: the tokenizer's pad, else its eos); None for text
+    """The id chat and preference rows are padded with (the tokenizer's pad, else its eos); None for text
     rows, which are never padded."""
-    if meta.get("format") != "chat":
+    if meta.get("format") not in ("chat", "preference"):
         return None
     pad = meta.get("pad_token_id")
     return meta.get("eos_token_id") if pad is None else pad

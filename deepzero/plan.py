@@ -1267,10 +1267,13 @@ def check_fit(
     gpu_mem_gb: float | None = None,
     cpu_mem_gb: float | None = None,
     savers: SaverTerms | None = None,
+    rows_per_sample: int = 1,
 ) -> str | None:
     """A one-line warning when the planned run will not fit the cards (or host RAM), else None.
 
-    Plans what the engine will hold (``run_setup``). Call before loading weights. ``gpu_mem_gb`` None = detect
+    Plans what the engine will hold (``run_setup``); a preference pair is ``rows_per_sample`` = 2 sequences per
+    sample (the reference model is never on the cards: its log-probs are precomputed, or it is the same model
+    with the LoRA adapters off). Call before loading weights. ``gpu_mem_gb`` None = detect
     the smallest visible card; without CUDA there is nothing to check and the answer is None. ``cpu_mem_gb``
     None = detect the machine's RAM.
     """
@@ -1283,6 +1286,7 @@ def check_fit(
     gpu_mem, cpu_mem = gpu_mem_gb * GiB, cpu_mem_gb * GiB if cpu_mem_gb else None
     try:
         setup = run_setup(model_config, engine, cfg, seq_len, world_size, pretrained, savers)
+        setup = replace(setup, micro_batch=setup.micro_batch * rows_per_sample)
         name = getattr(model_config, "name_or_path", "") or "model"
         stats = model_stats(model_config, name, lora=getattr(engine, "lora", None))
     except UserError:

@@ -37,6 +37,7 @@ def train_record(run: Run, loss: float, steps: int, elapsed: float, peak_mem: tu
     }
     if (scale := engine.loss_scale()) is not None:
         record["loss_scale"] = scale
+    record.update(engine.objective.window_stats("train"))  # a collective: every rank logs
     if run.peak_tflops:
         record["mfu"] = run.flops_per_token * tokens_per_s / (run.peak_tflops * 1e12 * run.world)
     return record
@@ -84,9 +85,16 @@ def print_header(run: Run, model_name: str) -> None:
         *([run.savers.describe()] if run.savers is not None else []),
         f"lr: peak {cfg.ds['optimizer']['params']['lr']:g} from {run.lr_source}; scheduler {cfg.ds.get('scheduler', {}).get('type', 'none')}"
         f" {_sched_brief(cfg.ds)}",
-        f"data: {run.args.data}  {len(run.train_data):,} train rows × {run.seq_len} tokens"
-        + (f", {len(run.val_data):,} val rows" if run.val_data is not None else "")
-        + f"; packing {_PACKING[run.args.packing]}; loss: mean over the global batch's target tokens",
+        f"data: {run.args.data}  {len(run.train_data) * run.train_data.rows_per_sample:,} train rows"
+        f" × {run.seq_len} tokens"
+        + (f", {len(run.val_data) * run.val_data.rows_per_sample:,} val rows" if run.val_data is not None else "")
+        + (
+            f" ({len(run.train_data):,} train pairs, 2 rows each)"
+            if run.train_data.rows_per_sample == 2
+            else f"; packing {_PACKING[run.args.packing]}"
+        )
+        + f"; {run.engine.objective.describe()}",
+        *([run.reference_line] if run.reference_line else []),
         f"FLOPs/token {run.flops_per_token:.3g}; MFU "
         + (
             f"against {run.peak_tflops} TFLOP/s per device"
@@ -117,7 +125,12 @@ def print_summary(run: Run) -> None:
     parts = [f"done: {run.state.step} steps, {run.state.tokens_seen:,} tokens"]
     if train:
         parts.append(f"loss {train[0]['loss']:.3f} (step {train[0]['step']}) → {train[-1]['loss']:.3f}")
-    if evals:
+    if evals and "val_ppl" in evals[-1]:
         parts.append(f"val ppl {evals[-1]['val_ppl']:.2f}")
+    if train and "rewards/accuracies" in train[-1]:
+        parts.append(
+            f"reward accuracy {train[0]['rewards/accuracies']:.2f} → {train[-1]['rewards/accuracies']:.2f}, margin"
+            f" {train[0]['rewards/margins']:.3g} → {train[-1]['rewards/margins']:.3g}"
+        )
     parts.append(f"metrics: {run.sink.path}")
     print("; ".join(parts), flush=True)

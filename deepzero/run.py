@@ -10,7 +10,7 @@ import errno
 import os
 import sys
 import tempfile
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from functools import partial
 from pathlib import Path
 from typing import Any
@@ -18,16 +18,18 @@ from typing import Any
 import torch
 from torch import nn
 
-from deepzero import checkpoint, dsconfig, engines, modeling, moe_balance, preemption, report, universal
+from deepzero import checkpoint, dsconfig, engines, modeling, moe_balance, preemption, reference, report, universal
 from deepzero import sequence_parallel as sp
 from deepzero.args import TrainArgs
-from deepzero.data import PackedDataset, check_enough_rows, load_meta
+from deepzero.data import PackedDataset, PreferenceDataset, check_enough_rows, load_meta, open_split
 from deepzero.distributed import init_distributed
 from deepzero.engines import EngineSettings, TrainEngine
 from deepzero.engines.zero import local_values
 from deepzero.errors import UserError
 from deepzero.flops import flops_per_token, peak_tflops, routed_experts
 from deepzero.lora import LoraSpec
+from deepzero.losses import TiledLoss
+from deepzero.losses.objectives import REFERENCE_FREE, PreferenceSettings
 from deepzero.memory_savers import MemorySavers
 from deepzero.metrics import MetricsSink, redact
 from deepzero.op_builds import check_op_builds
@@ -53,6 +55,8 @@ class RunPlan:
     """MoE load balancing (--moe-balance and the model family)."""
     savers: MemorySavers
     """Tiled loss, offloaded checkpoints, tiled MLP (the long-sequence flags, the model and the sequence length)."""
+    preference: PreferenceSettings | None = None
+    """The preference loss of a preference data folder (None: the LM loss)."""
 
 
 @dataclass
@@ -80,6 +84,8 @@ class Run:
     """Router hooks of a DeepSeek MoE: load counts, balance losses, the V3 bias update (None: no routers)."""
     savers: MemorySavers | None = None
     """The long-sequence decision (tiled loss, offloaded checkpoints, tiled MLP), for the header."""
+    reference_line: str | None = None
+    """How a preference run got its reference log-probs, for the header."""
 
     @property
     def is_main(self) -> bool:
@@ -87,7 +93,7 @@ class Run:
 
     @property
     def tokens_per_step(self) -> int:
-        return self.cfg.batch.global_batch * self.seq_len
+        return self.cfg.batch.global_batch * self.train_data.rows_per_sample * self.seq_len
 
 
 def plan_run(args: TrainArgs, world: int) -> RunPlan:
@@ -118,7 +124,8 @@ def plan_run(args: TrainArgs, world: int) -> RunPlan:
             "drop --experts-impl",
         )
     balance = moe_balance.choose(config, args.moe_balance, args.moe_bias_rate, args.moe_aux_alpha)
-    settings = choose_engine(args)
+    preference = plan_preference(args, meta)
+    settings = choose_engine(args, preference)
     sequence = sequence_size(settings)
     overrides = [*args.ds, f"sequence_parallel_size={sequence}"] if sequence > 1 else args.ds  # zero.Init reads it
     cfg = dsconfig.resolve(args.deepspeed_config, settings.dp_size(world), hints, overrides, precision=args.precision)
@@ -138,7 +145,7 @@ def plan_run(args: TrainArgs, world: int) -> RunPlan:
         )
     tokenizer = plan_tokenizer(args, meta)
     vocab = len(tokenizer) if source.random_init else max(len(tokenizer), config.vocab_size)  # make_model's embedding
-    train_data = PackedDataset(args.data, "train", documents=args.packing == "documents", vocab_size=vocab)
+    train_data = open_split(args.data, "train", documents=args.packing == "documents", vocab_size=vocab)
     check_enough_rows(len(train_data), cfg.batch.global_batch, "train")
     val_data = usable_val_split(args, meta, cfg.batch, vocab)
     check_disk(args, config, cfg.precision)
@@ -146,12 +153,58 @@ def plan_run(args: TrainArgs, world: int) -> RunPlan:
         checkpoint.check_resumable(args.checkpoint_dir, settings.dp_size(world) * sequence)  # ZeRO: every rank
     pipeline = isinstance(settings, engines.PipelineSettings)
     savers = MemorySavers.choose(args, config, seq_len, pipeline=pipeline, vocab_size=vocab)
+    if preference is not None:  # its log-probs come from the model's own logits (a per-row fp32 log-softmax)
+        savers = replace(savers, loss=TiledLoss(False))
     terms = SaverTerms.of(savers)
     if warning := check_fit(
-        config, settings, cfg, seq_len, world_size=world, pretrained=not source.random_init, savers=terms
+        config,
+        settings,
+        cfg,
+        seq_len,
+        world_size=world,
+        pretrained=not source.random_init,
+        savers=terms,
+        rows_per_sample=train_data.rows_per_sample,
     ):
         warn(warning)
-    return RunPlan(source, config, cfg, settings, lr_source, seq_len, train_data, val_data, tokenizer, balance, savers)
+    return RunPlan(
+        source, config, cfg, settings, lr_source, seq_len, train_data, val_data, tokenizer, balance, savers, preference
+    )
+
+
+def plan_preference(args: TrainArgs, meta: dict[str, Any]) -> PreferenceSettings | None:
+    """The preference loss for a preference data folder (sigmoid DPO unless the flags pick another); the
+    preference flags on other data are an error."""
+    flags = {
+        "preference_loss": args.preference_loss,
+        "beta": args.beta,
+        "label_smoothing": args.label_smoothing,
+        "simpo_gamma": args.simpo_gamma,
+        "reference": args.reference,
+    }
+    given = [f"--{k.replace('_', '-')}" for k, v in flags.items() if v is not None]
+    if meta["format"] != "preference":
+        if given:
+            raise UserError(
+                given[0],
+                f"{args.data} holds {meta['format']} data, not preference pairs",
+                "prepare pairs with data/prepare.py --format preference, or drop the flag",
+            )
+        return None
+    loss = args.preference_loss or "sigmoid"
+    if loss not in REFERENCE_FREE and args.simpo_gamma is not None:
+        raise UserError("--simpo-gamma", f"is SimPO's margin, not used by --preference-loss {loss}", "drop it")
+    if loss in REFERENCE_FREE and args.reference is not None:
+        raise UserError(f"--reference {args.reference}", f"{loss} uses no reference model", "drop --reference")
+    if loss in ("ipo", "hinge") and args.label_smoothing:
+        raise UserError("--label-smoothing", f"applies to sigmoid and simpo, not {loss}", "drop it")
+    return PreferenceSettings(
+        loss=loss,
+        beta=args.beta if args.beta is not None else (2.0 if loss == "simpo" else 0.1),
+        label_smoothing=args.label_smoothing or 0.0,
+        simpo_gamma=args.simpo_gamma if args.simpo_gamma is not None else 0.5,
+        reference=args.reference or "precomputed",
+    )
 
 
 def plan_tokenizer(args: TrainArgs, meta: dict[str, Any]) -> Any:
@@ -199,7 +252,7 @@ def check_disk(args: TrainArgs, config: Any, precision: str) -> None:
             warn(message)
 
 
-def choose_engine(args: TrainArgs) -> EngineSettings:
+def choose_engine(args: TrainArgs, preference: PreferenceSettings | None = None) -> EngineSettings:
     """The way to use the cards, from the preset's "pipeline" section (after --ds overrides) and the flags."""
     raw = dsconfig.load_json(args.deepspeed_config)
     dsconfig.apply_overrides(raw, list(args.ds), args.deepspeed_config)
@@ -212,6 +265,7 @@ def choose_engine(args: TrainArgs) -> EngineSettings:
         args.gradient_checkpointing,
         lora,
         args.sequence_parallel,
+        preference,
     )
 
 
@@ -227,7 +281,7 @@ def usable_val_split(
     fill one evaluation round."""
     if not meta["n_rows"].get("val"):
         return None
-    val_data = PackedDataset(args.data, "val", documents=args.packing == "documents", vocab_size=vocab_size)
+    val_data = open_split(args.data, "val", documents=args.packing == "documents", vocab_size=vocab_size)
     if args.eval_interval and len(val_data) < batch.micro * batch.dp_size:
         warn(
             f"{args.data}: val split has {len(val_data)} rows, fewer than one eval round (micro {batch.micro}"
@@ -270,6 +324,7 @@ def setup(args: TrainArgs) -> Run:
     checkpoint.check_shared_storage(args.checkpoint_dir, plan.cfg.ds, plan.cfg.path)
     torch.manual_seed(args.seed)
     engine = plan.engine_settings.build(partial(make_model, args, plan), plan.cfg.ds, plan.seq_len)
+    reference_line = attach_reference(args, plan, engine)  # before any step or checkpoint: the starting weights
     balancer = moe_balance.attach(
         engine.model,
         plan.balance,
@@ -286,6 +341,7 @@ def setup(args: TrainArgs) -> Run:
         "precision": plan.cfg.precision_choice.to_json(),
         "moe_balance": plan.balance.to_json(),
         "memory_savers": plan.savers.to_json(),
+        "objective": engine.objective.to_json(),
         "sequence_parallel": {
             "size": sequence,
             "data_parallel": plan.cfg.batch.dp_size,
@@ -312,11 +368,23 @@ def setup(args: TrainArgs) -> Run:
         last_saved_step=state.step if args.resume else -1,
         balancer=balancer,
         savers=plan.savers,
+        reference_line=reference_line,
     )
     if run.is_main:
         report.write_run_config(args.out_dir, run_config)
         report.print_header(run, plan.source.spec)
     return run
+
+
+def attach_reference(args: TrainArgs, plan: RunPlan, engine: TrainEngine) -> str | None:
+    """A preference run with precomputed reference log-probs: load them, or compute them now (see
+    ``deepzero.reference``); None for any other run."""
+    if plan.preference is None or plan.preference.reference != "precomputed":
+        return None
+    splits = {"train": plan.train_data} | ({"val": plan.val_data} if plan.val_data is not None else {})
+    assert all(isinstance(data, PreferenceDataset) for data in splits.values())
+    expected = reference.stamp(args.model, plan.source.random_init, args.seed, plan.cfg.precision, args.data)
+    return reference.attach(engine, splits, args.out_dir, expected)
 
 
 def make_model(args: TrainArgs, plan: RunPlan) -> nn.Module:

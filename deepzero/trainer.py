@@ -204,14 +204,17 @@ def save_if_finite(run: Run) -> bool:
 
 
 def evaluate(run: Run) -> dict[str, Any]:
-    """Mean loss and perplexity over ``eval_batches`` micro-batches per data-parallel rank of a fixed sample of the
+    """Mean loss and perplexity (preference: rewards) over ``eval_batches`` micro-batches per data-parallel rank of a fixed sample of the
     val split (drawn with ``--seed`` from the whole split: the same rows at every eval and after a resume)."""
     engine, micro = run.engine, run.cfg.batch.micro
     per_round = micro * engine.dp_size  # equal batch counts on every rank: ZeRO-3 and pipeline forwards are collective
     rows = min(run.args.eval_batches * per_round, len(run.val_data) // per_round * per_round)
     loader = make_eval_loader(run.val_data, micro, engine.dp_rank, engine.dp_size, max_rows=rows, seed=run.args.seed)
     loss = engine.eval_loss(to_device(iter(loader), engine.device), rows // per_round)
-    return {"kind": "eval", "step": run.state.step, "val_loss": loss, "val_ppl": math.exp(min(loss, 50.0))}
+    record = {"kind": "eval", "step": run.state.step, "val_loss": loss}
+    if engine.objective.perplexity:
+        record["val_ppl"] = math.exp(min(loss, 50.0))
+    return record | {f"val_{k}": v for k, v in engine.objective.window_stats("eval").items()}
 
 
 def finish(run: Run) -> None:

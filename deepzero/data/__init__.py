@@ -17,8 +17,16 @@ from deepzero.data.dataset import (
     make_eval_loader,
     make_train_loader,
 )
+from deepzero.data.preference import PreferenceDataset
 from deepzero.data.sources import Corpus, Doc, iter_docs, read_corpus
 from deepzero.data.tokenizer import SPECIAL_TOKENS, stdlib_corpus, train_tokenizer, train_tokenizer_from_texts
+
+
+def open_split(data_dir: str, split: str, documents: bool = True, vocab_size: int | None = None) -> PackedDataset:
+    """A prepared split as the dataset its format reads: rows (text, chat) or pairs of rows (preference)."""
+    cls = PreferenceDataset if load_meta(data_dir)["format"] == "preference" else PackedDataset
+    return cls(data_dir, split, documents=documents, vocab_size=vocab_size)
+
 
 __all__ = [
     "FORMAT_VERSION",
@@ -29,6 +37,7 @@ __all__ = [
     "GlobalBatchSampler",
     "MicroBatch",
     "PackedDataset",
+    "PreferenceDataset",
     "check_enough_rows",
     "eval_indices",
     "eval_sample",
@@ -36,6 +45,7 @@ __all__ = [
     "load_meta",
     "make_eval_loader",
     "make_train_loader",
+    "open_split",
     "read_corpus",
     "stdlib_corpus",
     "train_tokenizer",

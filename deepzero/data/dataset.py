@@ -5,6 +5,8 @@ split's shards in order, ``meta["shards"][split] = [{"file": "train-00000.bin", 
 raw C-order array of shape ``[rows, seq_len + 1]`` and dtype ``meta["dtype"]``; the split's rows are its shards'
 rows in that order. Chat data adds a ``.mask.bin`` twin per shard (``train-00000.mask.bin``), uint8 of the same
 shape: bit 0 (value 1) marks a training target (assistant text), bit 1 (value 2) the first token of a conversation.
+Preference data (``format: preference``) has the same shards and masks, its rows in pairs
+(:mod:`deepzero.data.preference`).
 
 Each row yields ``input_ids = row[:-1]`` and targets ``row[1:]``, already shifted. Transformers' causal-LM loss
 shifts ``labels`` itself unless it is given ``shift_labels``, and it only computes a loss when ``labels`` is not None,
@@ -29,14 +31,15 @@ from __future__ import annotations
 import bisect
 import json
 import signal
-from collections.abc import Iterable, Iterator
+from collections.abc import Callable, Iterable, Iterator
 from dataclasses import dataclass
+from functools import partial
 from pathlib import Path
 from typing import Any
 
 import numpy as np
 import torch
-from torch.utils.data import DataLoader, Dataset, default_collate
+from torch.utils.data import DataLoader, Dataset
 
 from deepzero.errors import UserError
 
@@ -106,8 +109,8 @@ def _read_meta(meta_path: Path, fix: str) -> dict[str, Any]:
         problems.append(f"'seq_len' must be a positive integer, got {meta.get('seq_len')!r}")
     if meta.get("dtype") not in ("uint16", "uint32"):
         problems.append(f"'dtype' must be uint16 or uint32, got {meta.get('dtype')!r}")
-    if meta.get("format") not in ("text", "chat"):
-        problems.append(f"'format' must be text or chat, got {meta.get('format')!r}")
+    if meta.get("format") not in ("text", "chat", "preference"):
+        problems.append(f"'format' must be text, chat or preference, got {meta.get('format')!r}")
     if not isinstance(meta.get("tokenizer", ""), str):
         problems.append(f"'tokenizer' must be a folder or hub id (a string), got {meta.get('tokenizer')!r}")
     rows = meta.get("n_rows")
@@ -146,7 +149,7 @@ def check_enough_rows(n_rows: int, global_batch: int, split: str) -> None:
 
 
 def _has_mask(meta: dict[str, Any]) -> bool:
-    return meta["format"] == "chat"
+    return meta["format"] in ("chat", "preference")
 
 
 class PackedDataset(Dataset):
@@ -283,8 +286,11 @@ class _Checked(Dataset):
             return _Failure(err.where, err.problem, err.fix)
 
 
-def _collate(samples: list[dict[str, torch.Tensor]] | _Failure) -> dict[str, torch.Tensor] | _Failure:
-    return samples if isinstance(samples, _Failure) else default_collate(samples)
+def _collate(
+    collate: Callable[[list[dict[str, torch.Tensor]]], dict[str, torch.Tensor]],
+    samples: list[dict[str, torch.Tensor]] | _Failure,
+) -> dict[str, torch.Tensor] | _Failure:
+    return samples if isinstance(samples, _Failure) else collate(samples)
 
 
 class _Loader(DataLoader):
@@ -367,7 +373,7 @@ def make_train_loader(
         batch_sampler=sampler,
         num_workers=num_workers,
         pin_memory=pin_memory,
-        collate_fn=_collate,
+        collate_fn=partial(_collate, type(dataset).collate),
         worker_init_fn=_ignore_stop_signals if num_workers else None,
     )
 
@@ -416,5 +422,9 @@ def make_eval_loader(
         for lo in range(0, len(shares[rank]), micro_batch)
     ]
     return _Loader(
-        _Checked(dataset), batch_sampler=batches, num_workers=num_workers, pin_memory=pin_memory, collate_fn=_collate
+        _Checked(dataset),
+        batch_sampler=batches,
+        num_workers=num_workers,
+        pin_memory=pin_memory,
+        collate_fn=partial(_collate, type(dataset).collate),
     )

@@ -14,7 +14,8 @@ stream is cut into rows of ``seq_len + 1`` tokens (the trailing remainder is dro
 each conversation is rendered with the tokenizer's chat template (the same prefix is prepended unless the template
 already starts with it), only assistant turns (their text and closing token) are marked as targets (mask bit 0),
 the first token of each conversation is marked as a start (mask bit 1), and conversations are packed whole into
-rows (one longer than a row is truncated), the rest of a row being padding. Rows go to shards of at most
+rows (one longer than a row is truncated), the rest of a row being padding. Preference pairs (``--format
+preference``): :mod:`deepzero.data.preference`. Rows go to shards of at most
 ``--shard-mb`` each, written in a temp folder that is renamed into place at the end: a failed or killed run
 publishes nothing. ``--tokenizer train`` trains a BPE on the first ``--tokenizer-sample-mb`` of train documents.
 See :mod:`deepzero.data.dataset` for the on-disk format.
@@ -110,6 +111,11 @@ def prepare(
         return old
     start = time.perf_counter()
     loaded = None if tokenizer == "train" else _load_tokenizer(tokenizer)
+    if fmt == "preference":
+        from deepzero.data.preference import prepare_pairs
+
+        args = (seq_len, val_fraction, vocab_size, seed, skip_bad, fingerprint)
+        return prepare_pairs(inputs, out, loaded, tokenizer, *args)
     total_bytes = input_bytes(inputs)
     out.parent.mkdir(parents=True, exist_ok=True)
     _remove_stale_temps(out)
@@ -205,8 +211,8 @@ def _check_args(seq_len: int, val_fraction: float, fmt: str, workers: int, shard
         raise UserError("--seq-len", f"must be positive, got {seq_len}", "pass e.g. --seq-len 256")
     if not 0 < val_fraction < 1:
         raise UserError("--val-fraction", f"must be between 0 and 1, got {val_fraction}", "pass e.g. 0.02")
-    if fmt not in ("auto", "text", "chat"):
-        raise UserError("--format", f"unknown format '{fmt}'", "use auto, text or chat")
+    if fmt not in ("auto", "text", "chat", "preference"):
+        raise UserError("--format", f"unknown format '{fmt}'", "use auto, text, chat or preference")
     if workers < 1:
         raise UserError("--workers", f"must be at least 1, got {workers}", "pass e.g. --workers 4, or leave it out")
     if not shard_mb > 0:
@@ -850,7 +856,12 @@ def _parser() -> argparse.ArgumentParser:
     p.add_argument("--seq-len", type=int, default=256, help="tokens per training sample (rows hold seq_len + 1)")
     p.add_argument("--out", default="artifacts/data/stdlib", help="output folder")
     p.add_argument("--val-fraction", type=float, default=0.02, help="fraction of documents held out (by hash)")
-    p.add_argument("--format", default="auto", choices=["auto", "text", "chat"], help="plain text or chat SFT")
+    p.add_argument(
+        "--format",
+        default="auto",
+        choices=["auto", "text", "chat", "preference"],
+        help="plain text, chat SFT, or preference pairs (prompt/chosen/rejected JSONL)",
+    )
     p.add_argument("--vocab-size", type=int, default=4096, help="vocabulary size with --tokenizer train")
     p.add_argument("--seed", type=int, default=0, help="seed of the train/val split")
     p.add_argument("--force", action="store_true", help="rebuild even if up to date")

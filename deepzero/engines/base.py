@@ -12,6 +12,7 @@ from torch import nn
 
 from deepzero.data import IGNORE_INDEX
 from deepzero.export import ExportReport
+from deepzero.losses.objectives import LanguageModeling, Objective
 
 ModelFactory = Callable[[], nn.Module]
 """Builds the model when the engine is ready for it (ZeRO-3 first sets up partitioning at load)."""
@@ -26,6 +27,8 @@ class TrainEngine(Protocol):
     The loop never asks which kind it has: it steps, evaluates, saves, loads, exports and reads the numbers below.
     """
 
+    objective: Objective
+    """What it minimises: the LM loss, or a preference loss (``deepzero.losses.objectives``)."""
     model: nn.Module
     """The whole Hugging Face model (config, parameter counts, FLOPs); a pipeline's ranks train only their stages."""
     device: torch.device
@@ -40,13 +43,13 @@ class TrainEngine(Protocol):
 
     def train_step(self, batches: Iterator[Batch]) -> torch.Tensor:
         """One optimizer step over ``gradient_accumulation_steps`` micro-batches from ``batches``, its gradient that of
-        the mean cross-entropy over the global batch's target tokens (``loss_normalizer``); this rank's share of that
-        mean × data-parallel size (so the mean over ranks is the global token mean), left on ``device``."""
+        the objective's mean over the global batch (target tokens: ``loss_normalizer``; pairs); this rank's share of
+        that mean × data-parallel size (so the mean over ranks is the global mean), left on ``device``."""
         ...
 
     def eval_loss(self, batches: Iterator[Batch], micro_batches: int) -> float:
-        """Token-weighted mean loss over ``micro_batches`` micro-batches per data-parallel rank, the same on every
-        rank (a collective: every rank calls it)."""
+        """Mean loss (token-weighted; pair-weighted for a preference loss) over ``micro_batches`` micro-batches per
+        data-parallel rank, the same on every rank (a collective: every rank calls it)."""
         ...
 
     def save_checkpoint(self, save_dir: str, tag: str, client_state: dict[str, Any], save_latest: bool = False) -> None:
@@ -161,14 +164,16 @@ def lm_loss(model: Any, batch: Batch, normalizer: torch.Tensor) -> torch.Tensor:
 
 
 @torch.no_grad()
-def mean_eval_loss(engine: Any, batches: Iterator[Batch]) -> float:
-    """Token-weighted mean loss over ``batches`` in eval mode, over every rank: summed cross-entropy / targets."""
+def mean_eval_loss(engine: Any, batches: Iterator[Batch], objective: Objective | None = None) -> float:
+    """Mean loss over ``batches`` in eval mode, over every rank: the objective's summed loss / its count (target
+    tokens for the LM loss, pairs for a preference loss)."""
+    objective = objective or LanguageModeling()
     engine.eval()
     total = torch.zeros(2, device=engine.device)
-    one = torch.ones((), device=engine.device)
     for batch in batches:
-        total[0] += lm_loss(engine, batch, one).float().to(total.device)
-        total[1] += target_count([batch]).to(total.device)
+        loss_sum, count = objective.eval_sums(engine, batch)
+        total[0] += loss_sum.float().to(total.device)
+        total[1] += count.float().to(total.device)
     engine.train()
     if dist.is_initialized():
         dist.all_reduce(total)

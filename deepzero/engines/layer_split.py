@@ -19,6 +19,7 @@ from deepzero.dsconfig import BatchMath
 from deepzero.engines.base import Batch, ModelFactory, draw, lm_loss, loss_normalizer, mean_eval_loss
 from deepzero.errors import UserError
 from deepzero.export import ExportReport, export_hf
+from deepzero.losses.objectives import LanguageModeling
 from deepzero.modeling import cast_parameters
 from deepzero.placement import Placement, apply_placement, format_placement, plan_placement, torch_device
 
@@ -48,6 +49,7 @@ class LayerSplitEngine:
     global_rank = 0
     dp_rank = 0
     dp_size = 1
+    objective = LanguageModeling()
 
     def __init__(self, model: torch.nn.Module, placement: Placement, ds: dict[str, Any]) -> None:
         self.model = self.module = model

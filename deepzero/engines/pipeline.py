@@ -44,6 +44,7 @@ from deepzero.engines.base import Batch, DeepSpeedBacked, ModelFactory, draw, lo
 from deepzero.errors import UserError
 from deepzero.export import ExportReport, attn_implementation_of, publish_and_compare
 from deepzero.losses import TiledLoss, tiled_cross_entropy
+from deepzero.losses.objectives import LanguageModeling
 
 PARTITION_METHODS = ("parameters", "uniform")
 
@@ -405,6 +406,8 @@ def export_pipeline_hf(
 
 class PipelineEngine(DeepSpeedBacked):
     """DeepSpeed's PipelineEngine over the model's stages: each optimizer step is one 1F1B schedule."""
+
+    objective = LanguageModeling()
 
     def __init__(self, engine: Any, model: nn.Module, name_map: dict[str, str]) -> None:
         self.engine = engine

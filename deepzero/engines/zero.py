@@ -23,10 +23,11 @@ from torch import nn
 from deepzero import modeling
 from deepzero import sequence_parallel as sp
 from deepzero.dsconfig import BatchMath
-from deepzero.engines.base import Batch, DeepSpeedBacked, ModelFactory, draw, lm_loss, loss_normalizer, mean_eval_loss
+from deepzero.engines.base import Batch, DeepSpeedBacked, ModelFactory, draw, mean_eval_loss
 from deepzero.errors import UserError
 from deepzero.export import ExportReport, export_hf
 from deepzero.lora import LoraSpec, apply_lora, export_lora_hf
+from deepzero.losses.objectives import Objective, PreferenceSettings, build_objective
 
 Exporter = Callable[[Any, Any, Path, Batch], "ExportReport | None"]
 
@@ -43,8 +44,10 @@ class ZeroEngine(DeepSpeedBacked):
         partitioned_at_load: bool = False,
         sequence: sp.SequenceGroups | None = None,
         stage: int = 0,
+        objective: Objective | None = None,
     ) -> None:
         self.engine = engine
+        self.objective = objective or build_objective(None)
         self.model = model
         self.device = torch.device(get_accelerator().current_device_name())
         self.sequence = sequence
@@ -70,6 +73,7 @@ class ZeroEngine(DeepSpeedBacked):
         gradient_checkpointing: bool = False,
         lora: LoraSpec | None = None,
         sequence_parallel: int = 1,
+        preference: PreferenceSettings | None = None,
     ) -> ZeroEngine:
         """Instantiate the model (partitioned at load under ZeRO-3), apply LoRA, wrap it in a DeepSpeed engine
         (with DeepSpeed's sequence-parallel groups as its ``mpu`` when ``sequence_parallel`` > 1)."""
@@ -90,7 +94,7 @@ class ZeroEngine(DeepSpeedBacked):
             from deepspeed.runtime.sequence_parallel import parallel_state_sp as mpu
         engine, *_ = deepspeed.initialize(model=model, model_parameters=params, config=ds_config, mpu=mpu)
         exporter = export_lora_hf if lora is not None else export_hf
-        return cls(engine, model, exporter, keep_alive, partitioned, sequence, stage)
+        return cls(engine, model, exporter, keep_alive, partitioned, sequence, stage, build_objective(preference))
 
     def describe(self) -> str:
         where = "  partitioned at load" if self.partitioned_at_load else ""
@@ -107,12 +111,12 @@ class ZeroEngine(DeepSpeedBacked):
         engine = self.engine
         micro = draw(batches, engine.gradient_accumulation_steps())
         group = self.sequence.dp_group if self.sequence else None
-        normalizer = loss_normalizer(micro, self.dp_size, group)
+        normalizer = self.objective.normalizer(micro, self.dp_size, group)
         if self.sequence is not None:
             micro = [self.sequence.shard(batch) for batch in micro]
         total = torch.zeros((), device=self.device)
         for batch in micro:
-            loss = lm_loss(engine, batch, normalizer)
+            loss = self.objective.loss(engine, batch, normalizer)
             engine.backward(loss * self.gradient_factor)  # divides by the accumulation steps; averages the ranks
             engine.step()
             total += loss.detach().float()
@@ -121,7 +125,7 @@ class ZeroEngine(DeepSpeedBacked):
     def eval_loss(self, batches: Iterator[Batch], micro_batches: int) -> float:
         if self.sequence is not None:
             batches = map(self.sequence.shard, batches)
-        return mean_eval_loss(self.engine, batches)
+        return mean_eval_loss(self.engine, batches, self.objective)
 
     def export(self, tokenizer: Any, out_dir: Path, probe: Batch) -> ExportReport | None:
         with sp.whole_rows(self.model):  # every rank runs the probe's whole row with the model's own attention
@@ -150,6 +154,8 @@ class ZeroSettings:
     lora: LoraSpec | None = None
     sequence_parallel: int = 1
     """Ranks per sequence (``"sequence_parallel_size"``); the data-parallel size is world / this."""
+    preference: PreferenceSettings | None = None
+    """The preference loss of a preference data folder (None: the LM loss)."""
 
     def dp_size(self, world: int) -> int:
         if world % self.sequence_parallel:
@@ -166,4 +172,6 @@ class ZeroSettings:
 
     def build(self, build_model: ModelFactory, ds_config: dict[str, Any], seq_len: int) -> ZeroEngine:
         sp.check_divisible(seq_len, self.sequence_parallel, "the data")
-        return ZeroEngine.build(build_model, ds_config, self.gradient_checkpointing, self.lora, self.sequence_parallel)
+        return ZeroEngine.build(
+            build_model, ds_config, self.gradient_checkpointing, self.lora, self.sequence_parallel, self.preference
+        )

@@ -1,0 +1,320 @@
+"""Preference pairs: JSONL in TRL's two standard layouts, prepared into rows in pairs, read as pairs.
+
+    python data/prepare.py --format preference --input pairs.jsonl --tokenizer artifacts/tokenizers/deepseek \
+        --seq-len 256 --out artifacts/data/dpo
+
+A record is ``{"prompt", "chosen", "rejected"}`` with strings (the prompt becomes a user turn and each answer an
+assistant turn) or with message lists, or only ``{"chosen", "rejected"}`` message lists whose shared first messages
+are the prompt (TRL's implicit prompt). Both are rendered with the tokenizer's chat template as TRL's
+``DPOTrainer`` renders them: the prompt with ``add_generation_prompt=True``, prompt + answer as a whole, and the
+answer's tokens are those after the longest common prefix of the two. Only those are targets (mask bit 0), as in
+chat SFT. Each pair is two rows of ``seq_len + 1`` tokens, chosen then rejected, each padded on the right: a
+split's row ``2i`` is pair ``i``'s chosen answer, row ``2i + 1`` its rejected one (shards hold whole pairs).
+
+Bad records (not an object, a missing or empty field, chosen equal to rejected, a pair longer than a row) are one
+line naming the file and line, or with ``--skip-bad`` skipped and counted in meta.json.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import time
+from collections.abc import Iterator, Sequence
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import torch
+from torch.utils.data import default_collate
+from transformers import PreTrainedTokenizerBase
+
+from deepzero.data.dataset import FORMAT_VERSION, MASK_START, MASK_TARGET, META_FILE, PackedDataset
+from deepzero.data.sources import Chat, input_files
+from deepzero.data.tokenizer import train_tokenizer_from_texts
+from deepzero.errors import UserError
+
+FORMAT = "preference"
+_FIX_RECORD = (
+    'write {"prompt": ..., "chosen": ..., "rejected": ...} with strings, or message lists'
+    ' [{"role": ..., "content": ...}] (then "prompt" may be left out)'
+)
+_FIX_BAD = "fix or remove the line, or pass --skip-bad to skip (and count) bad records"
+
+
+@dataclass(frozen=True)
+class Pair:
+    """One preference record as conversations: the prompt's messages and each answer's messages."""
+
+    prompt: Chat
+    chosen: Chat
+    rejected: Chat
+    where: str
+
+    def key(self) -> str:
+        """What the train/val split hashes."""
+        return json.dumps([self.prompt, self.chosen, self.rejected], sort_keys=True, ensure_ascii=False)
+
+    def text(self) -> str:
+        """Every message's text, one per line (what ``--tokenizer train`` trains on)."""
+        return "\n".join(m["content"] for m in (*self.prompt, *self.chosen, *self.rejected))
+
+
+def read_pairs(specs: Sequence[str], on_bad: Any) -> Iterator[Pair]:
+    """Every record of the JSONL inputs as a :class:`Pair`; a bad one goes to ``on_bad`` (raise or count)."""
+    for spec in specs:
+        for path in input_files(spec):
+            if path.suffix != ".jsonl":
+                raise UserError(f"--input {spec}", "preference data is read from .jsonl files only", _FIX_RECORD)
+    for spec in specs:
+        for path in input_files(spec):
+            with path.open("rb") as fh:
+                for lineno, raw in enumerate(fh, start=1):
+                    if not raw.strip():
+                        continue
+                    where = f"{path}:{lineno}"
+                    try:
+                        yield parse_record(json.loads(raw.decode("utf-8")), where)
+                    except (UnicodeDecodeError, json.JSONDecodeError) as err:
+                        on_bad(UserError(where, f"line {lineno} is not valid JSON in UTF-8 ({err})", _FIX_BAD))
+                    except UserError as err:
+                        on_bad(err)
+
+
+def parse_record(record: Any, where: str) -> Pair:
+    """A record in either layout as a :class:`Pair`, or a UserError naming ``where`` and what is wrong."""
+    if not isinstance(record, dict):
+        raise UserError(where, "record is not a JSON object", _FIX_RECORD)
+    missing = [k for k in ("chosen", "rejected") if k not in record]
+    if missing:
+        raise UserError(
+            where, f"record has no {' or '.join(repr(k) for k in missing)} (keys: {sorted(record)})", _FIX_RECORD
+        )
+    chosen, rejected = record["chosen"], record["rejected"]
+    if "prompt" in record:
+        prompt = _turns(record["prompt"], "user", "prompt", where)
+        chosen, rejected = (_turns(v, "assistant", k, where) for k, v in (("chosen", chosen), ("rejected", rejected)))
+    else:
+        if not (isinstance(chosen, list) and isinstance(rejected, list)):
+            raise UserError(where, "record has no 'prompt' and its answers are not message lists", _FIX_RECORD)
+        chosen, rejected = (
+            _turns(chosen, "assistant", "chosen", where),
+            _turns(rejected, "assistant", "rejected", where),
+        )
+        shared = 0
+        while shared < min(len(chosen), len(rejected)) and chosen[shared] == rejected[shared]:
+            shared += 1
+        prompt, chosen, rejected = chosen[:shared], chosen[shared:], rejected[shared:]
+    for name, turns in (("chosen", chosen), ("rejected", rejected)):
+        if not turns or not any(m["content"].strip() for m in turns):
+            raise UserError(where, f"the {name} answer is empty", "give both answers some text, or drop the record")
+    if chosen == rejected:
+        raise UserError(where, "chosen and rejected are the same answer", "drop the record: it prefers nothing")
+    return Pair(prompt, chosen, rejected, where)
+
+
+def _turns(value: Any, role: str, name: str, where: str) -> Chat:
+    """A string as one ``role`` message, or a list of {role, content} strings as it is."""
+    if isinstance(value, str):
+        return [{"role": role, "content": value}]
+    if isinstance(value, list) and all(
+        isinstance(m, dict) and isinstance(m.get("role"), str) and isinstance(m.get("content"), str) for m in value
+    ):
+        return [{"role": m["role"], "content": m["content"]} for m in value]
+    raise UserError(where, f"'{name}' is neither a string nor a list of {{role, content}} strings", _FIX_RECORD)
+
+
+class PairEncoder:
+    """Token ids and target masks of a pair's two sequences, as TRL's ``DPOTrainer`` tokenizes conversations."""
+
+    def __init__(self, tok: PreTrainedTokenizerBase, name: str, prefix: tuple[int, ...]) -> None:
+        self.tok, self.name, self.prefix = tok, name, prefix
+
+    def ids(self, messages: Chat, add_generation_prompt: bool = False) -> list[int]:
+        """The rendered conversation's ids, the tokenizer's prefix first unless the template wrote it."""
+        from jinja2.exceptions import TemplateError
+
+        try:
+            text = self.tok.apply_chat_template(messages, tokenize=False, add_generation_prompt=add_generation_prompt)
+        except TemplateError as err:
+            raise UserError(
+                f"--tokenizer {self.name}",
+                f"its chat template refused a conversation ({str(err).strip().splitlines()[0] if str(err) else err!r})",
+                "give the roles the template accepts (DeepSeek: system first, then user/assistant turns)",
+            ) from None
+        ids = self.tok(text, add_special_tokens=False)["input_ids"]
+        if self.prefix and tuple(ids[: len(self.prefix)]) != self.prefix:
+            ids = [*self.prefix, *ids]
+        return ids
+
+    def encode(self, pair: Pair) -> tuple[tuple[np.ndarray, np.ndarray], tuple[np.ndarray, np.ndarray]]:
+        """``(ids, mask)`` of prompt + chosen and of prompt + rejected: mask bit 0 on the answer's tokens (those after
+        the prompt's longest common prefix with both), bit 1 on the first token."""
+        prompt = self.ids(pair.prompt, add_generation_prompt=True) if pair.prompt else list(self.prefix)
+        sequences = [self.ids(pair.prompt + answer) for answer in (pair.chosen, pair.rejected)]
+        start = min(_common_prefix(prompt, seq) for seq in sequences)
+        out = []
+        for seq in sequences:
+            mask = np.zeros(len(seq), dtype=np.uint8)
+            mask[start:] = MASK_TARGET
+            mask[0] |= MASK_START
+            out.append((np.array(seq, dtype=np.int64), mask))
+        return out[0], out[1]
+
+
+def _common_prefix(a: list[int], b: list[int]) -> int:
+    n = 0
+    while n < min(len(a), len(b)) and a[n] == b[n]:
+        n += 1
+    return n
+
+
+def prepare_pairs(
+    inputs: Sequence[str],
+    out: Path,
+    tok: PreTrainedTokenizerBase | None,
+    tokenizer: str,
+    seq_len: int,
+    val_fraction: float,
+    vocab_size: int,
+    seed: int,
+    skip_bad: bool,
+    fingerprint: str,
+) -> dict[str, Any]:
+    """Write ``out`` (rows in pairs, see the module docstring) and return its meta.json contents."""
+    from deepzero.data import prepare as p
+
+    start = time.perf_counter()
+    bad = p._BadInput(skip_bad)
+    out.parent.mkdir(parents=True, exist_ok=True)
+    p._remove_stale_temps(out)
+    tmp = out.parent / f".{out.name}.tmp-{os.getpid()}"
+    shutil.rmtree(tmp, ignore_errors=True)
+    tmp.mkdir()
+    try:
+        pairs = list(read_pairs(inputs, bad))
+        if len(pairs) < 2:
+            raise UserError(
+                f"--input {' '.join(inputs)}", f"holds {len(pairs)} usable pair(s)", "pass at least two pairs"
+            )
+        if tok is None:
+            texts = (pair.text() for pair in pairs if p.split_of(pair.key(), seed, val_fraction) == "train")
+            tok = train_tokenizer_from_texts(texts, vocab_size, tmp / "tokenizer")
+            tok_ref = str(out.resolve() / "tokenizer")
+        else:
+            tok_ref = p._tokenizer_ref(tokenizer, out, tmp)
+        p._check_tokenizer(tok, tokenizer, chat=True)
+        encoder = PairEncoder(tok, tokenizer, p.doc_prefix(tok))
+        pad = tok.pad_token_id if tok.pad_token_id is not None else tok.eos_token_id
+        row_len = seq_len + 1
+        rows: dict[str, list[tuple[np.ndarray, np.ndarray]]] = {"train": [], "val": []}
+        tokens = {"train": 0, "val": 0}
+        targets = {"train": 0, "val": 0}
+        for pair in pairs:
+            try:
+                encoded = encoder.encode(pair)
+                longest = max(len(ids) for ids, _ in encoded)
+                if longest > row_len:
+                    raise UserError(
+                        pair.where,
+                        f"the pair is {longest} tokens with its prompt, a row holds {row_len} (--seq-len {seq_len} + 1)",
+                        f"prepare with --seq-len {longest - 1} or more, shorten the record, or pass --skip-bad",
+                    )
+            except UserError as err:
+                if err.where != pair.where:
+                    raise
+                bad(err)
+                continue
+            split = p.split_of(pair.key(), seed, val_fraction)
+            rows[split].extend(encoded)
+            tokens[split] += sum(len(ids) for ids, _ in encoded)
+            targets[split] += sum(int((mask & MASK_TARGET).sum()) for _, mask in encoded)
+        if not rows["val"] and len(rows["train"]) >= 4:  # a tiny input: its last train pair becomes val
+            rows["val"] = rows["train"][-2:]
+            del rows["train"][-2:]
+        dtype = np.dtype(np.uint16 if len(tok) < 2**16 else np.uint32)
+        shards = {}
+        for split, seqs in rows.items():
+            p._check_rows(len(seqs), split, row_len)
+            ids = np.full((len(seqs), row_len), pad, dtype=dtype)
+            mask = np.zeros((len(seqs), row_len), dtype=np.uint8)
+            for i, (seq, bits) in enumerate(seqs):
+                ids[i, : len(seq)], mask[i, : len(bits)] = seq, bits
+            writer = p._ShardWriter(p._Layout(tmp, row_len, dtype, len(seqs)), split, with_mask=True)
+            writer.write(ids, mask)
+            writer.close()
+            shards[split] = writer.shards
+        n_pairs = {s: len(v) // 2 for s, v in rows.items()}
+        meta = {
+            "format_version": FORMAT_VERSION,
+            "format": FORMAT,
+            "seq_len": seq_len,
+            "dtype": dtype.name,
+            "vocab_size": len(tok),
+            "bos_token_id": tok.bos_token_id,
+            "eos_token_id": tok.eos_token_id,
+            "pad_token_id": tok.pad_token_id,
+            "n_pairs": n_pairs,
+            "n_docs": {s: 2 * n for s, n in n_pairs.items()},
+            "n_rows": {s: len(v) for s, v in rows.items()},
+            "n_tokens": tokens,
+            "n_target_tokens": targets,
+            "n_dropped": {"train": 0, "val": 0},
+            "shards": shards,
+            "mask_bits": {"target": MASK_TARGET, "doc_start": MASK_START},
+            "rows": "pair i = rows 2i (chosen) and 2i + 1 (rejected), each right-padded",
+            "skipped": {"count": bad.count, "first": bad.listed},
+            "tokenizer": tok_ref,
+            "inputs": list(inputs),
+            "val_fraction": val_fraction,
+            "seed": seed,
+            "fingerprint": fingerprint,
+            "seconds": round(time.perf_counter() - start, 2),
+        }
+        (tmp / META_FILE).write_text(json.dumps(meta, indent=2) + "\n")
+        p._publish(tmp, out)
+    finally:
+        shutil.rmtree(tmp, ignore_errors=True)
+    print(
+        f"prepare: wrote {out}: {n_pairs['train']:,} train / {n_pairs['val']:,} val pairs in rows of {row_len} tokens"
+        f" ({targets['train']:,} train answer tokens); {bad.count} bad record(s) skipped"
+        + "".join(f"\n  skipped   {line}" for line in bad.listed)
+    )
+    return meta
+
+
+class PreferenceDataset(PackedDataset):
+    """A prepared preference split read as pairs: sample ``i`` is rows ``2i`` (chosen) and ``2i + 1`` (rejected).
+
+    With ``reference`` (``[pairs, 2]`` log-probs of the starting weights, ``deepzero.reference``) each sample
+    also carries ``ref_logps``. :meth:`collate` stacks a micro-batch's chosen rows first, then its rejected rows
+    (TRL's concatenated batch): ``input_ids`` [2 × micro, seq_len], ``ref_logps`` [micro, 2].
+    """
+
+    rows_per_sample = 2
+
+    def __init__(self, data_dir: Path | str, split: str, documents: bool = True, vocab_size: int | None = None) -> None:
+        super().__init__(data_dir, split, documents=True, vocab_size=vocab_size)  # one conversation per row
+        self.reference: np.ndarray | None = None
+
+    def __len__(self) -> int:
+        return self.n_rows // 2
+
+    def check_rows(self, indices: list[int]) -> None:
+        super().check_rows([r for i in indices for r in (2 * int(i), 2 * int(i) + 1)])
+
+    def __getitem__(self, i: int) -> dict[str, torch.Tensor]:
+        if not 0 <= int(i) < len(self):
+            raise IndexError(f"pair {i} out of range for {len(self)} pairs")
+        chosen, rejected = super().__getitem__(2 * int(i)), super().__getitem__(2 * int(i) + 1)
+        sample = {k: torch.stack([chosen[k], rejected[k]]) for k in chosen}
+        if self.reference is not None:
+            sample["ref_logps"] = torch.from_numpy(self.reference[int(i)])
+        return sample
+
+    @staticmethod
+    def collate(samples: list[dict[str, torch.Tensor]]) -> dict[str, torch.Tensor]:
+        batch = default_collate(samples)
+        return {k: v if k == "ref_logps" else v.transpose(0, 1).flatten(0, 1) for k, v in batch.items()}

@@ -1,0 +1,247 @@
+"""What the engines minimise, as one plug-in (``Objective``): the causal-LM loss over target tokens, or a preference
+loss over pairs (DPO and its variants). The engine draws a step's micro-batches, asks the objective for the
+normalizer and for each micro-batch's loss, and steps; the loop reads the objective's window statistics.
+
+Preference losses follow TRL's ``DPOTrainer`` (``trl/trainer/dpo_trainer.py``) and, for SimPO, ``CPOTrainer``.
+With ``Δ = (log π(c) − log π_ref(c)) − (log π(r) − log π_ref(r))`` summed over each answer's tokens:
+
+- ``sigmoid`` (DPO): ``−(1 − ε) log σ(βΔ) − ε log σ(−βΔ)`` (ε: ``label_smoothing``, the conservative DPO of
+  Mitchell 2023; ε = 0 is TRL's ``sigmoid``);
+- ``ipo``: ``(Δ_c / n_c − Δ_r / n_r − 1/(2β))²`` with each answer's log-ratio averaged over its n tokens (TRL);
+- ``hinge``: ``relu(1 − βΔ)``;
+- ``simpo`` (reference-free): ``−(1 − ε) log σ(βm) − ε log σ(−βm)``, ``m = log π(c)/n_c − log π(r)/n_r − γ/β``.
+
+Rewards as TRL logs them: ``β (log π − log π_ref)`` per answer (SimPO: ``β log π / n``); ``rewards/accuracies`` is
+the share of pairs whose chosen reward is higher, ``rewards/margins`` the mean difference.
+"""
+
+from __future__ import annotations
+
+from dataclasses import asdict, dataclass
+from typing import Any, Protocol
+
+import torch
+import torch.distributed as dist
+from torch import nn
+
+IGNORE_INDEX = -100
+LOSSES = ("sigmoid", "ipo", "hinge", "simpo")
+REFERENCES = ("precomputed", "adapters-off")
+REFERENCE_FREE = frozenset({"simpo"})
+STATS = (
+    "rewards/chosen",
+    "rewards/rejected",
+    "rewards/accuracies",
+    "rewards/margins",
+    "logps/chosen",
+    "logps/rejected",
+)
+
+Batch = dict[str, torch.Tensor]
+
+
+class Objective(Protocol):
+    """The training objective of a run, called by the engines."""
+
+    perplexity: bool
+    """Whether exp(mean loss) means something (the LM loss) and evaluation reports it."""
+
+    def normalizer(self, micro: list[Batch], dp_size: int, group: Any = None) -> torch.Tensor:
+        """What each micro-batch's summed loss is divided by, so that the step's gradient is that of the mean over
+        the global batch (tokens or pairs), however it is cut into micro-batches, accumulation steps and ranks."""
+        ...
+
+    def loss(self, model: Any, batch: Batch, normalizer: torch.Tensor) -> torch.Tensor:
+        """One micro-batch's summed loss / ``normalizer`` (and its statistics noted for the window)."""
+        ...
+
+    def eval_sums(self, model: Any, batch: Batch) -> tuple[torch.Tensor, torch.Tensor]:
+        """One eval micro-batch's summed loss and the count it is a sum over."""
+        ...
+
+    def window_stats(self, mode: str) -> dict[str, float]:
+        """The statistics noted since the last call (``mode``: train or eval), averaged over every rank; a
+        collective (every rank calls it). Empty for the LM loss."""
+        ...
+
+    def describe(self) -> str: ...
+
+    def to_json(self) -> dict[str, Any]: ...
+
+
+class LanguageModeling:
+    """The causal-LM loss: mean cross-entropy over the global batch's target tokens (Transformers' own loss,
+    given ``num_items_in_batch``, or the tiled loss installed on the model)."""
+
+    perplexity = True
+
+    def normalizer(self, micro: list[Batch], dp_size: int, group: Any = None) -> torch.Tensor:
+        from deepzero.engines.base import loss_normalizer
+
+        return loss_normalizer(micro, dp_size, group)
+
+    def loss(self, model: Any, batch: Batch, normalizer: torch.Tensor) -> torch.Tensor:
+        from deepzero.engines.base import lm_loss
+
+        return lm_loss(model, batch, normalizer)
+
+    def eval_sums(self, model: Any, batch: Batch) -> tuple[torch.Tensor, torch.Tensor]:
+        from deepzero.engines.base import lm_loss, target_count
+
+        one = torch.ones((), device=batch["input_ids"].device)
+        return lm_loss(model, batch, one).float(), target_count([batch])
+
+    def window_stats(self, mode: str) -> dict[str, float]:
+        return {}
+
+    def describe(self) -> str:
+        return "loss: mean over the global batch's target tokens"
+
+    def to_json(self) -> dict[str, Any]:
+        return {"kind": "lm", "mean_over": "target tokens of the global batch"}
+
+
+@dataclass
+class PreferenceSettings:
+    """The preference loss chosen by the flags (``--preference-loss``, ``--beta``, ...), as run_config records it."""
+
+    loss: str = "sigmoid"
+    beta: float = 0.1
+    label_smoothing: float = 0.0
+    simpo_gamma: float = 0.5
+    reference: str = "precomputed"
+    """Where log π_ref comes from: one pass of the starting weights before training, or (LoRA) the same model
+    with its adapters switched off; none for a reference-free loss."""
+
+    def __post_init__(self) -> None:
+        if self.loss in REFERENCE_FREE:
+            self.reference = "none"
+
+
+class Preference:
+    """A preference loss over pairs: the mean over the global batch's pairs (see the module docstring)."""
+
+    perplexity = False
+
+    def __init__(self, settings: PreferenceSettings) -> None:
+        self.settings = settings
+        self._sums: dict[str, torch.Tensor | None] = {"train": None, "eval": None}
+
+    def normalizer(self, micro: list[Batch], dp_size: int, group: Any = None) -> torch.Tensor:
+        """Pairs of the global batch / (accumulation steps × data-parallel size): every rank's micro-batches hold
+        the same number of pairs, so no collective is needed."""
+        pairs = sum(b["input_ids"].shape[0] // 2 for b in micro)
+        return torch.tensor(pairs / len(micro), dtype=torch.float32, device=micro[0]["input_ids"].device)
+
+    def loss(self, model: Any, batch: Batch, normalizer: torch.Tensor) -> torch.Tensor:
+        losses = self.pair_losses(model, batch)
+        return losses.sum() / normalizer
+
+    def eval_sums(self, model: Any, batch: Batch) -> tuple[torch.Tensor, torch.Tensor]:
+        losses = self.pair_losses(model, batch)
+        return losses.sum(), torch.tensor(float(losses.numel()), device=losses.device)
+
+    def pair_losses(self, model: Any, batch: Batch) -> torch.Tensor:
+        """Each pair's loss (fp32), its rewards and log-probs noted for the window statistics."""
+        s = self.settings
+        logps, counts = sequence_logps(model, batch)
+        chosen, rejected = logps.chunk(2)
+        n_chosen, n_rejected = counts.chunk(2)
+        if s.loss == "simpo":
+            chosen_rewards, rejected_rewards = s.beta * chosen / n_chosen, s.beta * rejected / n_rejected
+            margin = chosen / n_chosen - rejected / n_rejected - s.simpo_gamma / s.beta
+            losses = smoothed_sigmoid(s.beta * margin, s.label_smoothing)
+        else:
+            ref_chosen, ref_rejected = self.reference_logps(model, batch)
+            chosen_ratio, rejected_ratio = chosen - ref_chosen, rejected - ref_rejected
+            chosen_rewards, rejected_rewards = s.beta * chosen_ratio, s.beta * rejected_ratio
+            delta = chosen_ratio - rejected_ratio
+            if s.loss == "sigmoid":
+                losses = smoothed_sigmoid(s.beta * delta, s.label_smoothing)
+            elif s.loss == "hinge":
+                losses = torch.relu(1 - s.beta * delta)
+            else:  # ipo
+                losses = (chosen_ratio / n_chosen - rejected_ratio / n_rejected - 1 / (2 * s.beta)) ** 2
+        self._note(model, chosen_rewards, rejected_rewards, chosen, rejected)
+        return losses
+
+    def reference_logps(self, model: Any, batch: Batch) -> tuple[torch.Tensor, torch.Tensor]:
+        """log π_ref of the chosen and rejected answers: from the batch (precomputed), or the model's own forward
+        with its LoRA adapters off."""
+        if self.settings.reference == "precomputed":
+            ref = batch["ref_logps"].to(torch.float32)
+            return ref[:, 0], ref[:, 1]
+        peft_model = getattr(model, "module", model)
+        with torch.no_grad(), peft_model.disable_adapter():
+            logps, _ = sequence_logps(model, batch)
+        return logps.chunk(2)
+
+    @torch.no_grad()
+    def _note(self, model: Any, chosen_rewards: torch.Tensor, rejected_rewards: torch.Tensor, *logps: torch.Tensor):
+        chosen_rewards, rejected_rewards = chosen_rewards.detach(), rejected_rewards.detach()
+        values = torch.stack(
+            [
+                chosen_rewards.sum(),
+                rejected_rewards.sum(),
+                (chosen_rewards > rejected_rewards).float().sum(),
+                (chosen_rewards - rejected_rewards).sum(),
+                logps[0].detach().sum(),
+                logps[1].detach().sum(),
+                torch.tensor(float(chosen_rewards.numel()), device=chosen_rewards.device),
+            ]
+        )
+        mode = "train" if getattr(model, "module", model).training else "eval"  # DeepSpeed's eval() sets the module's
+        self._sums[mode] = values if self._sums[mode] is None else self._sums[mode] + values
+
+    def window_stats(self, mode: str) -> dict[str, float]:
+        sums, self._sums[mode] = self._sums[mode], None
+        if sums is None:
+            return {}
+        if dist.is_initialized():
+            dist.all_reduce(sums)
+        values = (sums[:-1] / sums[-1].clamp(min=1)).tolist()
+        return dict(zip(STATS, values, strict=True))
+
+    def describe(self) -> str:
+        s = self.settings
+        extra = f", label smoothing {s.label_smoothing:g}" if s.label_smoothing else ""
+        extra += f", gamma {s.simpo_gamma:g}" if s.loss == "simpo" else ""
+        reference = {
+            "precomputed": "reference log-probs precomputed by the starting weights (no second model)",
+            "adapters-off": "reference = the model with its LoRA adapters off (no second model)",
+            "none": "reference-free",
+        }[s.reference]
+        return f"loss: preference {s.loss} (beta {s.beta:g}{extra}), mean over the global batch's pairs; {reference}"
+
+    def to_json(self) -> dict[str, Any]:
+        return {"kind": "preference", "mean_over": "pairs of the global batch", **asdict(self.settings)}
+
+
+def smoothed_sigmoid(logits: torch.Tensor, smoothing: float) -> torch.Tensor:
+    """``−(1 − ε) log σ(x) − ε log σ(−x)``."""
+    loss = -nn.functional.logsigmoid(logits) * (1 - smoothing)
+    return loss - nn.functional.logsigmoid(-logits) * smoothing if smoothing else loss
+
+
+def sequence_logps(model: Any, batch: Batch) -> tuple[torch.Tensor, torch.Tensor]:
+    """Each row's summed log-probability of its targets (labels not -100), in fp32, and its target count.
+
+    The model runs without labels (its own forward: logits, computed in the model's dtype); the log-softmax is
+    taken in fp32 one row at a time, so at most one row's [seq × vocab] fp32 copy exists at once.
+    """
+    kwargs = {k: v for k, v in batch.items() if k in ("input_ids", "position_ids", "attention_mask")}
+    logits = model(**kwargs, use_cache=False).logits
+    labels = batch["labels"].to(logits.device)
+    keep = labels != IGNORE_INDEX
+    safe = labels.masked_fill(~keep, 0)
+    rows = []
+    for i in range(logits.shape[0]):
+        row = logits[i].float()
+        token = row.gather(-1, safe[i, :, None]).squeeze(-1) - torch.logsumexp(row, dim=-1)
+        rows.append((token * keep[i]).sum())
+    return torch.stack(rows), keep.sum(-1).float()
+
+
+def build_objective(preference: PreferenceSettings | None) -> Objective:
+    """The LM loss, or the preference loss ``preference`` names."""
+    return LanguageModeling() if preference is None else Preference(preference)
