@@ -39,7 +39,7 @@ from typing import Any
 
 import numpy as np
 import torch
-from torch.utils.data import DataLoader, Dataset
+from torch.utils.data import DataLoader, Dataset, default_collate
 
 from deepzero.errors import UserError
 
@@ -155,6 +155,11 @@ def _has_mask(meta: dict[str, Any]) -> bool:
 class PackedDataset(Dataset):
     """Rows of one split over any number of shards, read lazily through ``np.memmap`` (picklable for DataLoader
     workers). Row ``i`` of the split is row ``i - start`` of the shard whose row range holds it."""
+
+    rows_per_sample = 1
+    """Rows one sample trains on (a preference pair: 2)."""
+    collate = staticmethod(default_collate)
+    """How the loaders stack a micro-batch's samples."""
 
     def __init__(self, data_dir: Path | str, split: str, documents: bool = True, vocab_size: int | None = None) -> None:
         if split not in SPLITS:
