@@ -34,6 +34,8 @@ runs each stage's forwards and backwards in micro-batch order).
 from __future__ import annotations
 
 from collections.abc import Callable, Iterator
+from contextlib import contextmanager
+from contextvars import ContextVar
 from dataclasses import dataclass
 from typing import Any
 
@@ -229,6 +231,20 @@ def find_routers(model: nn.Module) -> list[nn.Module]:
     ]
 
 
+_UNCOUNTED: ContextVar[bool] = ContextVar("deepzero_moe_uncounted", default=False)
+
+
+@contextmanager
+def uncounted() -> Iterator[None]:
+    """Forwards inside are not training tokens (a preference run's reference pass with the LoRA adapters off, run
+    in train mode): the routers' hooks neither count them nor add a balance loss, nor take a micro-batch's mask."""
+    token = _UNCOUNTED.set(True)
+    try:
+        yield
+    finally:
+        _UNCOUNTED.reset(token)
+
+
 def in_backward() -> bool:
     """True while autograd runs backward: activation checkpointing recomputes a forward there (not a new one)."""
     return torch._C._current_graph_task_id() != -1
@@ -280,8 +296,8 @@ class Balancer:
         choice = self.choice
 
         def hook(module: nn.Module, args: tuple[Any, ...], output: Any) -> Any:
-            if not (module.training or torch.is_grad_enabled()):  # evaluation, export checks
-                return None
+            if not (module.training or torch.is_grad_enabled()) or _UNCOUNTED.get():  # evaluation, export checks,
+                return None  # a reference pass
             logits, weights, topk = output
             real = self._real(index, topk.shape[0])
             if not in_backward():  # a recomputation (activation checkpointing) is not new tokens

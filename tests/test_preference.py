@@ -284,3 +284,63 @@ def test_resume_mid_run_continues_the_curve_exactly_and_reuses_the_reference(pre
     assert (out / "reference" / "reference.json").stat().st_mtime_ns == stamp
     for a, b in zip([r for r in after if r["step"] > 3], ours["zero3"][3:], strict=True):
         assert all(a[k] == b[k] for k in ("loss", *METRICS)), (a, b)
+
+
+# --- LoRA's adapters-off reference and MoE balancing ------------------------------------------------------------------
+
+PAD_ID, TINY_VOCAB = 63, 64
+
+
+def padded_pairs(seed: int, pairs: int = 2, seq: int = 24) -> dict[str, torch.Tensor]:
+    """A collated micro-batch of ``pairs`` pairs (chosen rows, then rejected rows) whose rows end in padding of
+    different lengths: targets after a 4-token prompt, none on the padding."""
+    g = torch.Generator().manual_seed(seed)
+    ids = torch.randint(0, PAD_ID, (2 * pairs, seq), generator=g)
+    labels = torch.full_like(ids, -100)
+    for row in range(2 * pairs):
+        end = seq - 3 * (row + 1)
+        ids[row, end:] = PAD_ID
+        labels[row, 4 : end - 1] = ids[row, 5:end]
+    return {"input_ids": ids, "labels": labels}
+
+
+def test_the_adapters_off_reference_pass_is_neither_counted_nor_balanced_by_the_routers() -> None:
+    """LoRA on the V3 MoE: the reference forward with the adapters off (train mode, no grad) adds no router loads, no
+    balance loss and no shift of the micro-batches' padding masks. Loads, balance-loss calls and every gradient equal
+    those of the same step with the reference log-probs precomputed (the adapters start at zero: the same numbers)."""
+    from transformers import AutoModelForCausalLM
+
+    from deepzero.lora import LoraSpec, apply_lora
+    from deepzero.losses.objectives import Preference, PreferenceSettings, sequence_logps
+    from deepzero.moe_balance import BalanceChoice, Balancer
+
+    def lora_moe() -> torch.nn.Module:
+        torch.manual_seed(0)
+        config = get_preset("tiny-deepseek-v3").config(vocab_size=TINY_VOCAB, num_hidden_layers=3)
+        config.use_cache = False
+        model = AutoModelForCausalLM.from_config(config, attn_implementation="eager")
+        return apply_lora(model, LoraSpec.parse("r=4,targets=attn,mlp"), verbose=False).train()
+
+    micro = [padded_pairs(seed) for seed in (1, 2)]
+    choice = BalanceChoice("both", "deepseek_v3", bias_rate=0.01, aux_alpha=0.05, seq_aux=True)
+    steps = {}
+    for reference in ("adapters-off", "precomputed"):
+        model = lora_moe()
+        batches = [dict(b) for b in micro]
+        if reference == "precomputed":
+            with torch.no_grad(), model.disable_adapter():
+                for b in batches:
+                    b["ref_logps"] = torch.stack(sequence_logps(model, b)[0].chunk(2), dim=1)
+        objective = Preference(PreferenceSettings(reference=reference))
+        balancer = Balancer(model, choice, lambda: 1.0, "cpu")
+        for b in balancer.watch(iter(batches), PAD_ID):
+            objective.loss(model, b, torch.tensor(2.0 * len(batches))).backward()
+        grads = {n: p.grad.clone() for n, p in model.named_parameters() if p.grad is not None}
+        steps[reference] = (balancer.step_counts.clone(), balancer.loss_calls.clone(), grads)
+    (counts, calls, grads), (counts_pre, calls_pre, grads_pre) = steps["adapters-off"], steps["precomputed"]
+    real = sum(int((b["input_ids"] != PAD_ID).sum()) for b in micro)
+    assert int(counts.sum()) == 2 * real * 2  # 2 MoE layers × real tokens × top-2: the reference pass not counted
+    assert torch.equal(counts, counts_pre) and torch.equal(calls, calls_pre) and int(calls.sum()) == 2 * len(micro)
+    assert grads.keys() == grads_pre.keys() and grads
+    for name, grad in grads.items():
+        torch.testing.assert_close(grad, grads_pre[name], rtol=1e-5, atol=1e-7, msg=name)

@@ -171,8 +171,10 @@ class Preference:
         if self.settings.reference == "precomputed":
             ref = batch["ref_logps"].to(torch.float32)
             return ref[:, 0], ref[:, 1]
+        from deepzero.moe_balance import uncounted
+
         peft_model = getattr(model, "module", model)
-        with torch.no_grad(), peft_model.disable_adapter():
+        with torch.no_grad(), peft_model.disable_adapter(), uncounted():  # not training tokens for the routers
             logps, _ = sequence_logps(model, batch)
         return logps.chunk(2)
 
