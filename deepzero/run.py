@@ -377,10 +377,13 @@ def setup(args: TrainArgs) -> Run:
 
 
 def attach_reference(args: TrainArgs, plan: RunPlan, engine: TrainEngine) -> str | None:
-    """A preference run with precomputed reference log-probs: load them, or compute them now (see
-    ``deepzero.reference``); None for any other run."""
-    if plan.preference is None or plan.preference.reference != "precomputed":
+    """A preference run's reference: precomputed log-probs loaded, or computed now (see ``deepzero.reference``);
+    with the adapters off, the starting routing biases kept for it. The header's line; None for any other run."""
+    if plan.preference is None or plan.preference.reference == "none":
         return None
+    if plan.preference.reference == "adapters-off":
+        engine.objective.remember_start(engine.model)
+        return "reference: the model with its LoRA adapters off and its starting routing biases (no second model)"
     splits = {"train": plan.train_data} | ({"val": plan.val_data} if plan.val_data is not None else {})
     assert all(isinstance(data, PreferenceDataset) for data in splits.values())
     expected = reference.stamp(args.model, plan.source.random_init, args.seed, plan.cfg.precision, args.data)

@@ -344,3 +344,37 @@ def test_the_adapters_off_reference_pass_is_neither_counted_nor_balanced_by_the_
     assert grads.keys() == grads_pre.keys() and grads
     for name, grad in grads.items():
         torch.testing.assert_close(grad, grads_pre[name], rtol=1e-5, atol=1e-7, msg=name)
+
+
+def test_lora_on_the_moe_model_trains_one_curve_with_either_reference_and_balances(pref: dict) -> None:
+    """LoRA on a DeepSeek-V3 MoE (balancing on: V3's bias and sequence-wise loss) through train.py: the reference as
+    the model with its adapters off equals the precomputed reference step for step (loss, TRL's metrics, router
+    loads), keeps no reference folder, and the pairs are learnt."""
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    root = pref["root"]
+    tok = AutoTokenizer.from_pretrained(pref["data"] / "tokenizer")
+    config = get_preset("tiny-deepseek-v3").config(
+        vocab_size=len(tok), num_hidden_layers=2, first_k_dense_replace=1, max_position_embeddings=128
+    )
+    torch.manual_seed(0)
+    AutoModelForCausalLM.from_config(config).save_pretrained(root / "moe")
+    tok.save_pretrained(root / "moe")
+    moe = {**pref, "model": root / "moe"}
+    common = ["--lora", "r=8,targets=attn,mlp", "--lr", "1e-2", "--micro-batch", "2", "--grad-accum", "2"]
+    common += ["--max-steps", "6"]
+    runs = {
+        ref: train(moe, root / f"lora-{ref}", *common, "--reference", ref) for ref in ("adapters-off", "precomputed")
+    }
+    off, pre = runs["adapters-off"], runs["precomputed"]
+    assert_same(off, pre)
+    for a, b in zip(off, pre, strict=True):
+        assert "expert_load_imbalance" in a and a["dead_experts"] == b["dead_experts"]
+        assert math.isclose(a["expert_load_imbalance"], b["expert_load_imbalance"], rel_tol=1e-6)
+        assert math.isclose(a["balance_loss"], b["balance_loss"], rel_tol=1e-4)
+    assert (
+        not (root / "lora-adapters-off" / "reference").exists() and (root / "lora-precomputed" / "reference").is_dir()
+    )
+    objective = json.loads((root / "lora-adapters-off" / "run_config.json").read_text())["objective"]
+    assert objective["reference"] == "adapters-off" and objective["loss"] == "sigmoid"
+    assert off[0]["rewards/margins"] == 0 and off[-1]["rewards/margins"] > 0.1 and off[-1]["loss"] < off[0]["loss"]

@@ -17,6 +17,8 @@ the share of pairs whose chosen reward is higher, ``rewards/margins`` the mean d
 
 from __future__ import annotations
 
+from collections.abc import Iterator
+from contextlib import contextmanager
 from dataclasses import asdict, dataclass
 from typing import Any, Protocol
 
@@ -28,6 +30,7 @@ IGNORE_INDEX = -100
 LOSSES = ("sigmoid", "ipo", "hinge", "simpo")
 REFERENCES = ("precomputed", "adapters-off")
 REFERENCE_FREE = frozenset({"simpo"})
+ROUTING_BIAS = "e_score_correction_bias"
 STATS = (
     "rewards/chosen",
     "rewards/rejected",
@@ -126,6 +129,17 @@ class Preference:
     def __init__(self, settings: PreferenceSettings) -> None:
         self.settings = settings
         self._sums: dict[str, torch.Tensor | None] = {"train": None, "eval": None}
+        self._start_buffers: dict[str, torch.Tensor] = {}
+
+    def remember_start(self, model: nn.Module) -> None:
+        """Keep the starting values of the state that training changes outside the adapters: DeepSeek-V3's routing
+        biases (``e_score_correction_bias``, moved by the balancer). The adapters-off reference runs with them, so
+        it is the starting model, as a precomputed reference is. Call before any step or checkpoint load."""
+        self._start_buffers = {
+            name: buf.detach().float().cpu().clone()
+            for name, buf in model.named_buffers()
+            if name.endswith(ROUTING_BIAS)
+        }
 
     def normalizer(self, micro: list[Batch], dp_size: int, group: Any = None) -> torch.Tensor:
         """Pairs of the global batch / (accumulation steps × data-parallel size): every rank's micro-batches hold
@@ -174,9 +188,22 @@ class Preference:
         from deepzero.moe_balance import uncounted
 
         peft_model = getattr(model, "module", model)
-        with torch.no_grad(), peft_model.disable_adapter(), uncounted():  # not training tokens for the routers
-            logps, _ = sequence_logps(model, batch)
+        with torch.no_grad(), peft_model.disable_adapter(), uncounted(), self._starting_buffers(peft_model):
+            logps, _ = sequence_logps(model, batch)  # the routers neither count nor balance this pass
         return logps.chunk(2)
+
+    @contextmanager
+    def _starting_buffers(self, model: nn.Module) -> Iterator[None]:
+        """The remembered starting buffers in place of the current ones, for the duration of the block."""
+        buffers = dict(model.named_buffers())
+        current = {name: buffers[name].detach().clone() for name in self._start_buffers}
+        try:
+            for name, start in self._start_buffers.items():
+                buffers[name].copy_(start)
+            yield
+        finally:
+            for name, value in current.items():
+                buffers[name].copy_(value)
 
     @torch.no_grad()
     def _note(self, model: Any, chosen_rewards: torch.Tensor, rejected_rewards: torch.Tensor, *logps: torch.Tensor):
