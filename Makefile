@@ -12,7 +12,7 @@ OUT       ?= runs/default
 TRAIN_ARGS ?=
 PYTEST_ARGS ?=
 
-.PHONY: setup data train sft sft-long test lint plan doctor plot bench bench-gpu clean
+.PHONY: setup data train sft sft-long dpo test lint plan doctor plot bench bench-gpu clean
 
 setup: $(VENV)/.installed
 
@@ -61,6 +61,22 @@ sft-long: setup
 		--seq-len $(SFT_LONG_SEQ) --val-fraction 0.1 --out $(SFT_LONG_DATA)
 	PATH="$(CURDIR)/$(BIN):$$PATH" deepspeed --num_gpus=$(NUM_GPUS) train.py \
 		--deepspeed_config $(DS_CONFIG) --data $(SFT_LONG_DATA) --out $(SFT_LONG_OUT) $(SFT_LONG_ARGS)
+
+# Preference tuning example (docs/preference.md): pairs made from the SFT example (chosen: the function's own
+# docstring answer, rejected: another module's), DPO (sigmoid) from the `make sft` export, reference log-probs
+# precomputed once by the starting weights. Runs `make sft` first when its export is missing.
+DPO_DATA  ?= artifacts/data/dpo_example
+DPO_MODEL ?= $(SFT_OUT)/hf
+DPO_OUT   ?= runs/dpo
+DPO_ARGS  ?= --max-steps 30 --warmup-steps 3 --lr 1e-3 --micro-batch 2 --grad-accum 1 --log-interval 2 \
+	--eval-interval 10 --eval-batches 2 --save-interval 0
+dpo: setup
+	test -f $(DPO_MODEL)/config.json || $(MAKE) sft
+	$(BIN)/python data/dpo_example.py --out $(DPO_DATA).jsonl
+	$(BIN)/python data/prepare.py --input $(DPO_DATA).jsonl --format preference --tokenizer $(DPO_MODEL) \
+		--seq-len $(SEQ_LEN) --val-fraction 0.1 --out $(DPO_DATA)
+	PATH="$(CURDIR)/$(BIN):$$PATH" deepspeed --num_gpus=$(NUM_GPUS) train.py \
+		--deepspeed_config $(DS_CONFIG) --model $(DPO_MODEL) --data $(DPO_DATA) --out $(DPO_OUT) $(DPO_ARGS)
 
 test: setup
 	$(BIN)/python -m pytest $(PYTEST_ARGS) tests; rc=$$?; \

@@ -848,15 +848,16 @@ def recommend(
     presets: Sequence[str] = PRESET_ORDER,
     pretrained: bool = True,
     savers: SaverTerms | None = None,
+    min_micro: int = 1,
 ) -> Recommendation | None:
-    """First preset (fastest first) that fits at micro-batch 1, preferring no activation checkpointing; ``savers``
-    None = train.py's defaults (the tiled loss)."""
+    """First preset (fastest first) that fits at micro-batch ``min_micro`` (a preference pair: 2 sequences),
+    preferring no activation checkpointing; ``savers`` None = train.py's defaults (the tiled loss)."""
     savers = SaverTerms.choose(stats.arch) if savers is None else savers
     for name in presets:
         ds = load_preset(name)
         for ckpt in (False, True):
             setup = _micro1_setup(ds, stats, world_size, seq_len, ckpt, lora_rank, pretrained, savers)
-            mb = max_micro_batch(stats, setup, gpu_mem, cpu_mem)
+            mb = max_micro_batch(stats, setup, gpu_mem, cpu_mem) // min_micro * min_micro
             if mb:
                 setup = replace(setup, micro_batch=mb)
                 return Recommendation(name, setup, mb, estimate(stats, setup))
@@ -1071,6 +1072,7 @@ def render(stats: ModelStats, world_size: int, gpu_mem_gb: float, cpu_mem_gb: fl
     micro_batch, lora_rank = kw.get("micro_batch", 1), kw.get("lora_rank", LORA_RANK)
     pretrained = kw.get("pretrained", True)
     savers = kw.get("savers") or SaverTerms.choose(stats.arch)
+    pair_rows = kw.get("pair_rows", 1)  # sequences per sample: a preference pair is 2 (recommend whole pairs)
     gpu_mem, cpu_mem = gpu_mem_gb * GiB, cpu_mem_gb * GiB
     a = stats.arch
     moe = f", MoE {a.moe_layers}/{a.layers} layers, {a.experts_per_token} of {a.experts} experts" if a.experts else ""
@@ -1118,20 +1120,24 @@ def render(stats: ModelStats, world_size: int, gpu_mem_gb: float, cpu_mem_gb: fl
     ]
     for what, rank in (("full fine-tuning", 0), (f"LoRA r{lora_rank}", lora_rank)):
         rec = recommend(
-            stats, world_size, seq_len, gpu_mem, cpu_mem, lora_rank=rank, pretrained=pretrained, savers=savers
-        )
-        lines.append(_recommendation_line(what, rec, gpu_mem_gb))
+            stats, world_size, seq_len, gpu_mem, cpu_mem, lora_rank=rank, pretrained=pretrained, savers=savers,
+            min_micro=pair_rows,
+        )  # fmt: skip
+        lines.append(_recommendation_line(what, rec, gpu_mem_gb, pair_rows))
     return "\n".join(lines)
 
 
-def _recommendation_line(what: str, rec: Recommendation | None, gpu_mem_gb: float) -> str:
+def _recommendation_line(what: str, rec: Recommendation | None, gpu_mem_gb: float, pair_rows: int = 1) -> str:
     if rec is None:
-        return f"Recommended for {what}: nothing fits, not even ZeRO-3 with parameter and optimizer offload."
+        unit = " at one pair per micro-batch" if pair_rows > 1 else ""
+        return f"Recommended for {what}: nothing fits{unit}, not even ZeRO-3 with parameter and optimizer offload."
     ckpt = "on" if rec.setup.checkpointing else "off"
     alt = " (or zero2 for fp16)" if rec.preset == "zero2_bf16" else ""
+    pairs = rec.micro_batch // pair_rows
+    micro = f"{pairs} pair{'s' * (pairs != 1)}" if pair_rows > 1 else str(rec.micro_batch)
     return (
         f"Recommended for {what}: ds_configs/{rec.preset}.json{alt}, activation checkpointing {ckpt}, "
-        f"micro-batch {rec.micro_batch} (peak {_gib(rec.estimate.gpu_total)} of {gpu_mem_gb:g} GiB per card, "
+        f"micro-batch {micro} (peak {_gib(rec.estimate.gpu_total)} of {gpu_mem_gb:g} GiB per card, "
         f"host {_gib(rec.estimate.host)} GiB)."
     )
 
@@ -1353,6 +1359,10 @@ def _advice(stats: ModelStats, setup: Setup, gpu_mem: float, cpu_mem: float | No
 # ------------------------------------------------------------------------------------------------- CLI
 
 
+PAIR_ROWS = 2
+"""Sequences per preference pair (chosen and rejected), as train.py's PreferenceDataset reads them."""
+
+
 def main(argv: Sequence[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="python -m deepzero.plan", description=__doc__.splitlines()[0])
     parser.add_argument("--model", help="preset name, local folder with config.json, or hub id")
@@ -1371,7 +1381,20 @@ def main(argv: Sequence[str] | None = None) -> int:
     parser.add_argument(
         "--max-seq-len", action="store_true", help="the longest sequence of every preset and saver choice (micro 1)"
     )
+    parser.add_argument(
+        "--preference",
+        action="store_true",
+        help="preference pairs (DPO): --micro-batch pairs = 2 sequences each, the whole logits (the log-probs are"
+        " not tiled), no reference model (its log-probs precomputed, or LoRA's adapters off)",
+    )
     args = parser.parse_args(argv)
+    if args.preference and args.max_seq_len:
+        print(
+            "error: --max-seq-len: plans one sequence per micro-batch and sequence parallelism, which preference"
+            " pairs do not use. Fix: drop --preference, or plan one length with --preference --seq-len N",
+            file=sys.stderr,
+        )
+        return 2
     for flag, value in (("--gpus", args.gpus), ("--seq-len", args.seq_len), ("--micro-batch", args.micro_batch)):
         if value < 1:
             print(f"error: {flag} {value}: must be at least 1. Fix: pass a positive number", file=sys.stderr)
@@ -1393,7 +1416,9 @@ def main(argv: Sequence[str] | None = None) -> int:
         kw = {"pretrained": pretrained, "tiled_loss": args.tiled_loss == "on"}
         print(render_longest(stats, args.gpus, args.gpu_mem, args.cpu_mem, args.lora_rank, **kw))
         return 0
-    savers = SaverTerms.choose(stats.arch, args.tiled_loss == "on", args.activation_offload, args.tiled_mlp == "on")
+    tiled = args.tiled_loss == "on" and not args.preference  # train.py computes preference log-probs untiled
+    savers = SaverTerms.choose(stats.arch, tiled, args.activation_offload, args.tiled_mlp == "on")
+    rows = args.micro_batch * (PAIR_ROWS if args.preference else 1)
     print(
         render(
             stats,
@@ -1401,12 +1426,22 @@ def main(argv: Sequence[str] | None = None) -> int:
             args.gpu_mem,
             args.cpu_mem,
             args.seq_len,
-            micro_batch=args.micro_batch,
+            micro_batch=rows,
             lora_rank=args.lora_rank,
             pretrained=pretrained,
             savers=savers,
+            pair_rows=PAIR_ROWS if args.preference else 1,
         )
     )
+    if args.preference:
+        print(
+            f"Preference pairs: micro-batch {args.micro_batch} pair{'s' * (args.micro_batch != 1)} = {rows}"
+            " sequences (chosen and rejected), so"
+            f" every micro-batch and 'max mb' above counts sequences: pairs = sequences / {PAIR_ROWS}. The loss"
+            " reads the whole logits (no tiled loss). No reference model is on the cards: its log-probs are"
+            " precomputed in one pass before training (one eval forward at a time), or it is the same model with"
+            " its LoRA adapters off (a no-grad forward)."
+        )
     return 0
 
 

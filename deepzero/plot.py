@@ -7,7 +7,8 @@ Left: train loss (one point per log window) and validation loss against the opti
 against the step; the first log window, which includes warm-up, is drawn hollow and left out of the median line.
 For MoE runs (train records with ``expert_load``), two more panels: ``expert_load_imbalance`` (max/mean tokens per
 expert) against the step, and the last log window's tokens per expert relative to the layer's mean as a heatmap,
-one row per MoE layer (1 = balanced).
+one row per MoE layer (1 = balanced). For preference runs (train records with ``rewards/margins``), one more
+panel: the rewards of the chosen and rejected answers, their margin and the reward accuracy, train and val.
 """
 
 from __future__ import annotations
@@ -52,7 +53,10 @@ def plot(metrics: str | Path, out: str | Path | None = None) -> Path:
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    fig, axes = plt.subplots(1, 4 if loads else 2, figsize=(21 if loads else 11, 4), constrained_layout=True)
+    rewards = any(r.get("kind") == "train" and "rewards/margins" in r for r in records)
+    panels = 2 + 2 * bool(loads) + rewards
+    fig, axes = plt.subplots(1, panels, figsize=(5.25 * panels, 4), constrained_layout=True, squeeze=False)
+    axes = axes[0]
     ax_loss, ax_tps = axes[0], axes[1]
     ax_loss.plot(steps, loss, marker=".", label="train")
     if val_steps:
@@ -72,6 +76,8 @@ def plot(metrics: str | Path, out: str | Path | None = None) -> Path:
     ax_tps.grid(alpha=0.3)
     if loads:
         _expert_panels(fig, axes[2], axes[3], loads, _series(records, "train", "expert_load_imbalance"))
+    if rewards:
+        _reward_panel(axes[-1], records)
     fig.suptitle(str(metrics.parent.name or metrics))
     out.parent.mkdir(parents=True, exist_ok=True)
     fig.savefig(out, dpi=100)
@@ -95,6 +101,24 @@ def _expert_panels(
     fig.colorbar(image, ax=ax_map, label="tokens / layer mean")
     ax_map.set_yticks(range(len(rows)))
     ax_map.set(xlabel="expert", ylabel="MoE layer", title=f"Expert load, window ending at step {last['step']}")
+
+
+def _reward_panel(ax: Any, records: list[dict[str, Any]]) -> None:
+    """A preference run's rewards as TRL names them: chosen, rejected and margin (left axis), reward accuracy
+    (right axis), train per log window and val at each evaluation."""
+    for key, color in (("rewards/chosen", "tab:blue"), ("rewards/rejected", "tab:orange"), ("rewards/margins", "k")):
+        ax.plot(*_series(records, "train", key), marker=".", color=color, label=key)
+        if (val := _series(records, "eval", f"val_{key}"))[0]:
+            ax.plot(*val, marker="o", linestyle="--", color=color, label=f"val {key}")
+    ax.set(xlabel="optimizer step", ylabel="reward (beta x log-ratio)", title="Preference rewards")
+    ax.grid(alpha=0.3)
+    twin = ax.twinx()
+    twin.plot(*_series(records, "train", "rewards/accuracies"), color="tab:green", marker="x", label="accuracy")
+    if (val := _series(records, "eval", "val_rewards/accuracies"))[0]:
+        twin.plot(*val, color="tab:green", marker="s", linestyle="--", label="val accuracy")
+    twin.set(ylabel="reward accuracy", ylim=(0, 1.05))
+    handles = [h for a in (ax, twin) for h in a.get_legend_handles_labels()[0]]
+    ax.legend(handles=handles, fontsize="small", loc="upper left")
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -207,6 +207,31 @@ def test_cli_table_and_recommendation(capsys: pytest.CaptureFixture[str]) -> Non
     assert "Recommended for full fine-tuning: ds_configs/zero2_bf16.json" in out
 
 
+def test_cli_plans_a_preference_pair_as_two_untiled_sequences_and_recommends_whole_pairs(
+    capsys: pytest.CaptureFixture[str],
+) -> None:
+    """--preference: the table of micro-batch N pairs is the table of 2N sequences with the loss untiled (train.py
+    reads the pairs' whole logits; no reference model is added), and a recommendation is a whole pair."""
+    argv = ["--model", "deepseek-ai/DeepSeek-R1-Distill-Qwen-1.5B", "--seq-len", "4096"]
+
+    def table(*extra: str) -> tuple[list[str], str]:
+        assert plan.main([*argv, *extra]) == 0
+        out = capsys.readouterr().out
+        lines = out.splitlines()
+        start = next(n for n, line in enumerate(lines) if line.startswith("ZeRO"))
+        return lines[start : lines.index("", start)], out
+
+    pairs, out = table("--preference", "--micro-batch", "2")
+    rows, _ = table("--micro-batch", "4", "--tiled-loss", "off")
+    tiled, _ = table("--micro-batch", "4")
+    assert pairs == rows and pairs != tiled
+    assert "micro-batch 2 pairs = 4 sequences" in out
+    recommended = [line for line in out.splitlines() if line.startswith("Recommended for")]
+    assert len(recommended) == 2 and all(" pair " in line or " pairs " in line for line in recommended), recommended
+    assert plan.main([*argv, "--preference", "--max-seq-len"]) == 2
+    assert "error: --max-seq-len:" in capsys.readouterr().err
+
+
 def test_cli_says_nothing_fits_for_deepseek_v3(capsys: pytest.CaptureFixture[str]) -> None:
     assert plan.main(["--model", "deepseek-v3", "--gpus", "3", "--gpu-mem", "24", "--cpu-mem", "128"]) == 0
     out = capsys.readouterr().out

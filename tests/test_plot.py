@@ -75,3 +75,20 @@ def test_moe_runs_get_an_expert_load_heatmap(tmp_path: Path) -> None:
     out = plot(moe, tmp_path / "moe.png")
     assert png_size(out)[0] > png_size(dense)[0] * 1.5
     assert out.stat().st_size > dense.stat().st_size
+
+
+def test_preference_runs_get_a_rewards_panel(tmp_path: Path) -> None:
+    """Train and eval records with TRL's reward metrics add a rewards panel: wider than the plain run's PNG."""
+    plain = plot(fake_metrics(tmp_path / "plain.jsonl"), tmp_path / "plain.png")
+    pref = fake_metrics(tmp_path / "pref.jsonl")
+    lines = [json.loads(line) for line in pref.read_text().splitlines()]
+    for record in lines:
+        x = record["step"] / 40
+        values = {"rewards/chosen": x, "rewards/rejected": -x, "rewards/margins": 2 * x, "rewards/accuracies": x}
+        if record["kind"] == "train":
+            record.update(values)
+        elif record["kind"] == "eval":
+            record.update({f"val_{k}": v for k, v in values.items()})
+    pref.write_text("".join(json.dumps(r) + "\n" for r in lines))
+    out = plot(pref, tmp_path / "pref.png")
+    assert png_size(out)[0] > png_size(plain)[0] * 1.3

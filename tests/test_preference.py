@@ -234,11 +234,15 @@ def schedule_of(out: Path) -> dict:
     return {k: params[k] for k in ("warmup_min_lr", "warmup_max_lr", "warmup_num_steps", "warmup_type")}
 
 
-def assert_same(ours: list[dict], theirs: list[dict]) -> None:
+def assert_same(ours: list[dict], theirs: list[dict], what: str = "") -> None:
+    """Per step, the loss and TRL's metrics within TOL; the largest relative difference is printed (pytest -s)."""
     assert len(ours) == len(theirs)
+    worst = 0.0
     for step, (a, b) in enumerate(zip(ours, theirs, strict=True), start=1):
         for key in ("loss", *METRICS):
             assert math.isclose(a[key], b[key], rel_tol=TOL, abs_tol=TOL), (step, key, a[key], b[key])
+            worst = max(worst, abs(a[key] - b[key]) / max(abs(b[key]), 1e-12) if a[key] != b[key] else 0.0)
+    print(f"{what}: {len(ours)} steps, max relative difference {worst:.2g}")
 
 
 ACCUM_3 = ["--micro-batch", "2", "--grad-accum", "3", "--max-steps", "6"]
@@ -247,32 +251,47 @@ RANKS_3 = ["--micro-batch", "2", "--grad-accum", "1", "--max-steps", "6"]
 
 @pytest.fixture(scope="module")
 def ours(pref: dict) -> dict[str, list[dict]]:
-    """This product's runs: sigmoid and ipo on 1 rank × accumulation 3 (ZeRO-2); sigmoid on 3 ranks × 1 (ZeRO-3),
-    which scores the reference pass with ZeRO-3's collective forwards."""
+    """This product's runs: sigmoid, ipo, hinge and SimPO on 1 rank × accumulation 3 (ZeRO-2); sigmoid on 3 ranks
+    × 1 (ZeRO-3), which scores the reference pass with ZeRO-3's collective forwards."""
     root = pref["root"]
     runs = {
         "sigmoid": train(pref, root / "sigmoid", *ACCUM_3),
         "ipo": train(pref, root / "ipo", "--preference-loss", "ipo", *ACCUM_3),
+        "hinge": train(pref, root / "hinge", "--preference-loss", "hinge", *ACCUM_3),
+        "simpo": train(pref, root / "simpo", "--preference-loss", "simpo", "--label-smoothing", "0.1", *ACCUM_3),
         "zero3": train(pref, root / "zero3", *RANKS_3, nproc=3, config="zero3.json"),
     }
     return runs
 
 
-@pytest.mark.parametrize("loss", ["sigmoid", "ipo"])
+@pytest.mark.parametrize("loss", ["sigmoid", "ipo", "hinge"])
 @pytest.mark.parametrize("precompute", [True, False], ids=["precomputed", "reference-model"])
 def test_loss_and_rewards_equal_trl_dpo_trainer_per_step(
     pref: dict, ours: dict, loss: str, precompute: bool, tmp_path: Path
 ) -> None:
     theirs = trl_run(pref, loss, 6, 6, precompute, schedule_of(pref["root"] / loss), tmp_path)
-    assert_same(ours[loss], theirs)
+    assert_same(ours[loss], theirs, f"{loss} ({'precomputed' if precompute else 'reference model'}) vs TRL")
     curve = ours[loss]
     assert curve[0]["rewards/margins"] == 0 and curve[-1]["rewards/margins"] > 0.1  # it learnt: the test can fail
     assert curve[-1]["loss"] < curve[0]["loss"] and curve[-1]["rewards/accuracies"] > 0.5
 
 
+def test_simpo_is_reference_free_and_learns_the_pairs(pref: dict, ours: dict) -> None:
+    """SimPO (label smoothing 0.1) through train.py: no reference pass or folder, the choice in run_config.json,
+    rewards as TRL's CPOTrainer logs them (beta × the mean log-prob per answer token), and the pairs are learnt."""
+    run = pref["root"] / "simpo"
+    assert not (run / "reference").exists()
+    objective = json.loads((run / "run_config.json").read_text())["objective"]
+    assert (objective["loss"], objective["reference"], objective["label_smoothing"]) == ("simpo", "none", 0.1)
+    curve = ours["simpo"]
+    for r in curve:
+        assert math.isclose(r["rewards/chosen"], 2.0 * r["logps/chosen"], rel_tol=1e-5)
+    assert curve[-1]["rewards/margins"] > curve[0]["rewards/margins"] and curve[-1]["loss"] < curve[0]["loss"]
+
+
 def test_three_ranks_by_one_equal_one_rank_by_three_accumulation_steps(ours: dict) -> None:
     """ZeRO-3 over 3 ranks (micro 2, no accumulation) trains the same global batches as ZeRO-2 on 1 rank × 3."""
-    assert_same(ours["zero3"], ours["sigmoid"])
+    assert_same(ours["zero3"], ours["sigmoid"], "3 ranks x 1 (ZeRO-3) vs 1 rank x 3 (ZeRO-2)")
 
 
 def test_resume_mid_run_continues_the_curve_exactly_and_reuses_the_reference(pref: dict, ours: dict) -> None:
@@ -367,7 +386,7 @@ def test_lora_on_the_moe_model_trains_one_curve_with_either_reference_and_balanc
         ref: train(moe, root / f"lora-{ref}", *common, "--reference", ref) for ref in ("adapters-off", "precomputed")
     }
     off, pre = runs["adapters-off"], runs["precomputed"]
-    assert_same(off, pre)
+    assert_same(off, pre, "LoRA MoE: adapters-off vs precomputed reference")
     for a, b in zip(off, pre, strict=True):
         assert "expert_load_imbalance" in a and a["dead_experts"] == b["dead_experts"]
         assert math.isclose(a["expert_load_imbalance"], b["expert_load_imbalance"], rel_tol=1e-6)
@@ -378,3 +397,34 @@ def test_lora_on_the_moe_model_trains_one_curve_with_either_reference_and_balanc
     objective = json.loads((root / "lora-adapters-off" / "run_config.json").read_text())["objective"]
     assert objective["reference"] == "adapters-off" and objective["loss"] == "sigmoid"
     assert off[0]["rewards/margins"] == 0 and off[-1]["rewards/margins"] > 0.1 and off[-1]["loss"] < off[0]["loss"]
+
+
+@pytest.mark.parametrize(
+    ("loss", "smoothing"), [("simpo", 0.0), ("simpo", 0.1), ("sigmoid", 0.1), ("hinge", 0.0)], ids=str
+)
+def test_the_pair_losses_equal_trl_cpo_trainers_formulas(loss: str, smoothing: float) -> None:
+    """SimPO (with and without label smoothing), conservative DPO and hinge against TRL's ``CPOTrainer.cpo_loss``
+    on the same log-probs: CPO's logits are the policy's log-ratio without a reference (a zero reference here),
+    SimPO's the per-token means. Losses and rewards within 1e-6."""
+    from types import SimpleNamespace
+
+    from trl.experimental.cpo import CPOTrainer
+
+    from deepzero.losses.objectives import PreferenceSettings, pair_loss
+
+    g = torch.Generator().manual_seed(0)
+    n_chosen, n_rejected = torch.randint(1, 40, (2, 16), generator=g).float()
+    chosen, rejected = -torch.rand(2, 16, generator=g) * 80
+    settings = PreferenceSettings(loss=loss, beta=2.0 if loss == "simpo" else 0.1, label_smoothing=smoothing)
+    zero = torch.zeros(16)
+    ours = pair_loss(settings, chosen, rejected, n_chosen, n_rejected, None if loss == "simpo" else (zero, zero))
+    trl_self = SimpleNamespace(
+        alpha=0.0, beta=settings.beta, loss_type=loss, simpo_gamma=settings.simpo_gamma,
+        label_smoothing=smoothing, accelerator=SimpleNamespace(device=torch.device("cpu")),
+    )  # fmt: skip
+    averaged = loss == "simpo"
+    args = (chosen / n_chosen, rejected / n_rejected) if averaged else (chosen, rejected)
+    theirs = CPOTrainer.cpo_loss(trl_self, *args)
+    for a, b in zip(ours, theirs, strict=True):
+        torch.testing.assert_close(a, b, rtol=1e-6, atol=1e-7)
+    assert ours[0].std() > 0  # the pairs differ: a test that can fail

@@ -157,25 +157,15 @@ class Preference:
 
     def pair_losses(self, model: Any, batch: Batch) -> torch.Tensor:
         """Each pair's loss (fp32), its rewards and log-probs noted for the window statistics."""
-        s = self.settings
         logps, counts = sequence_logps(model, batch)
         chosen, rejected = logps.chunk(2)
         n_chosen, n_rejected = counts.chunk(2)
-        if s.loss == "simpo":
-            chosen_rewards, rejected_rewards = s.beta * chosen / n_chosen, s.beta * rejected / n_rejected
-            margin = chosen / n_chosen - rejected / n_rejected - s.simpo_gamma / s.beta
-            losses = smoothed_sigmoid(s.beta * margin, s.label_smoothing)
-        else:
-            ref_chosen, ref_rejected = self.reference_logps(model, batch)
-            chosen_ratio, rejected_ratio = chosen - ref_chosen, rejected - ref_rejected
-            chosen_rewards, rejected_rewards = s.beta * chosen_ratio, s.beta * rejected_ratio
-            delta = chosen_ratio - rejected_ratio
-            if s.loss == "sigmoid":
-                losses = smoothed_sigmoid(s.beta * delta, s.label_smoothing)
-            elif s.loss == "hinge":
-                losses = torch.relu(1 - s.beta * delta)
-            else:  # ipo
-                losses = (chosen_ratio / n_chosen - rejected_ratio / n_rejected - 1 / (2 * s.beta)) ** 2
+        reference = None if self.settings.loss in REFERENCE_FREE else self.reference_logps(model, batch)
+        losses, chosen_rewards, rejected_rewards = pair_loss(
+            self.settings, chosen, rejected, n_chosen, n_rejected, reference
+        )
+        if self.settings.loss == "simpo":  # TRL's CPOTrainer logs SimPO's per-token mean log-probs
+            chosen, rejected = chosen / n_chosen, rejected / n_rejected
         self._note(model, chosen_rewards, rejected_rewards, chosen, rejected)
         return losses
 
@@ -244,6 +234,32 @@ class Preference:
 
     def to_json(self) -> dict[str, Any]:
         return {"kind": "preference", "mean_over": "pairs of the global batch", **asdict(self.settings)}
+
+
+def pair_loss(
+    s: PreferenceSettings,
+    chosen: torch.Tensor,
+    rejected: torch.Tensor,
+    n_chosen: torch.Tensor,
+    n_rejected: torch.Tensor,
+    reference: tuple[torch.Tensor, torch.Tensor] | None = None,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Each pair's loss and the chosen and rejected rewards, from the answers' summed log-probs and target counts
+    (and the reference's summed log-probs, except for a reference-free loss): the module docstring's formulas."""
+    if s.loss == "simpo":
+        chosen_rewards, rejected_rewards = s.beta * chosen / n_chosen, s.beta * rejected / n_rejected
+        margin = chosen / n_chosen - rejected / n_rejected - s.simpo_gamma / s.beta
+        return smoothed_sigmoid(s.beta * margin, s.label_smoothing), chosen_rewards, rejected_rewards
+    assert reference is not None, f"{s.loss} needs the reference log-probs"
+    chosen_ratio, rejected_ratio = chosen - reference[0], rejected - reference[1]
+    delta = chosen_ratio - rejected_ratio
+    if s.loss == "sigmoid":
+        losses = smoothed_sigmoid(s.beta * delta, s.label_smoothing)
+    elif s.loss == "hinge":
+        losses = torch.relu(1 - s.beta * delta)
+    else:  # ipo
+        losses = (chosen_ratio / n_chosen - rejected_ratio / n_rejected - 1 / (2 * s.beta)) ** 2
+    return losses, s.beta * chosen_ratio, s.beta * rejected_ratio
 
 
 def smoothed_sigmoid(logits: torch.Tensor, smoothing: float) -> torch.Tensor:
