@@ -138,6 +138,20 @@ def _shards_match(shards: Any, rows: dict[str, int]) -> bool:
     return True
 
 
+def meta_header(fmt: str, seq_len: int, dtype: np.dtype, tok: Any) -> dict[str, Any]:
+    """The first keys of a prepared folder's meta.json: format, row length, token dtype and the tokenizer's ids."""
+    return {
+        "format_version": FORMAT_VERSION,
+        "format": fmt,
+        "seq_len": seq_len,
+        "dtype": np.dtype(dtype).name,
+        "vocab_size": len(tok),
+        "bos_token_id": tok.bos_token_id,
+        "eos_token_id": tok.eos_token_id,
+        "pad_token_id": tok.pad_token_id,
+    }
+
+
 def check_enough_rows(n_rows: int, global_batch: int, split: str) -> None:
     """Raise unless the split holds at least one global batch (micro × grad_accum × world) of rows."""
     if n_rows < global_batch:

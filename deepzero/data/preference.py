@@ -31,7 +31,7 @@ import torch
 from torch.utils.data import default_collate
 from transformers import PreTrainedTokenizerBase
 
-from deepzero.data.dataset import FORMAT_VERSION, MASK_START, MASK_TARGET, META_FILE, PackedDataset
+from deepzero.data.dataset import MASK_START, MASK_TARGET, META_FILE, PackedDataset, meta_header
 from deepzero.data.sources import Chat, input_files
 from deepzero.data.tokenizer import train_tokenizer_from_texts
 from deepzero.errors import UserError
@@ -248,14 +248,7 @@ def prepare_pairs(
             shards[split] = writer.shards
         n_pairs = {s: len(v) // 2 for s, v in rows.items()}
         meta = {
-            "format_version": FORMAT_VERSION,
-            "format": FORMAT,
-            "seq_len": seq_len,
-            "dtype": dtype.name,
-            "vocab_size": len(tok),
-            "bos_token_id": tok.bos_token_id,
-            "eos_token_id": tok.eos_token_id,
-            "pad_token_id": tok.pad_token_id,
+            **meta_header(FORMAT, seq_len, dtype, tok),
             "n_pairs": n_pairs,
             "n_docs": {s: 2 * n for s, n in n_pairs.items()},
             "n_rows": {s: len(v) for s, v in rows.items()},

@@ -47,7 +47,16 @@ from jinja2.exceptions import TemplateError
 from tqdm import tqdm
 from transformers import AutoTokenizer, PreTrainedTokenizerBase
 
-from deepzero.data.dataset import FORMAT_VERSION, MASK_START, MASK_TARGET, META_FILE, load_meta, shard_files, shard_name
+from deepzero.data.dataset import (
+    FORMAT_VERSION,
+    MASK_START,
+    MASK_TARGET,
+    META_FILE,
+    load_meta,
+    meta_header,
+    shard_files,
+    shard_name,
+)
 from deepzero.data.sources import Chat, Doc, Format, doc_text, input_bytes, inputs_digest, iter_docs
 from deepzero.data.tokenizer import train_tokenizer_from_texts
 from deepzero.errors import UserError
@@ -141,14 +150,7 @@ def prepare(
         with _Progress(total_bytes) as progress:
             stats = _write_splits(_chain(first, docs), encoder, workers, layout, chat, pad, progress)
         meta = {
-            "format_version": FORMAT_VERSION,
-            "format": "chat" if chat else "text",
-            "seq_len": seq_len,
-            "dtype": dtype.name,
-            "vocab_size": len(tok),
-            "bos_token_id": tok.bos_token_id,
-            "eos_token_id": tok.eos_token_id,
-            "pad_token_id": tok.pad_token_id,
+            **meta_header("chat" if chat else "text", seq_len, dtype, tok),
             "doc_prefix_ids": list(prefix),
             "n_docs": {s: v.n_docs for s, v in stats.items()},
             "n_rows": {s: v.n_rows for s, v in stats.items()},
