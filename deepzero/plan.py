@@ -1384,8 +1384,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     parser.add_argument(
         "--preference",
         action="store_true",
-        help="preference pairs (DPO): --micro-batch pairs = 2 sequences each, the whole logits (the log-probs are"
-        " not tiled), no reference model (its log-probs precomputed, or LoRA's adapters off)",
+        help="preference pairs (DPO): --micro-batch pairs = 2 sequences each, log-probs tiled like the LM loss,"
+        " no reference model (its log-probs precomputed, or LoRA's adapters off)",
     )
     args = parser.parse_args(argv)
     if args.preference and args.max_seq_len:
@@ -1416,8 +1416,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         kw = {"pretrained": pretrained, "tiled_loss": args.tiled_loss == "on"}
         print(render_longest(stats, args.gpus, args.gpu_mem, args.cpu_mem, args.lora_rank, **kw))
         return 0
-    tiled = args.tiled_loss == "on" and not args.preference  # train.py computes preference log-probs untiled
-    savers = SaverTerms.choose(stats.arch, tiled, args.activation_offload, args.tiled_mlp == "on")
+    savers = SaverTerms.choose(stats.arch, args.tiled_loss == "on", args.activation_offload, args.tiled_mlp == "on")
     rows = args.micro_batch * (PAIR_ROWS if args.preference else 1)
     print(
         render(
@@ -1437,8 +1436,9 @@ def main(argv: Sequence[str] | None = None) -> int:
         print(
             f"Preference pairs: micro-batch {args.micro_batch} pair{'s' * (args.micro_batch != 1)} = {rows}"
             " sequences (chosen and rejected), so"
-            f" every micro-batch and 'max mb' above counts sequences: pairs = sequences / {PAIR_ROWS}. The loss"
-            " reads the whole logits (no tiled loss). No reference model is on the cards: its log-probs are"
+            f" every micro-batch and 'max mb' above counts sequences: pairs = sequences / {PAIR_ROWS}. The log-probs"
+            " are tiled over the LM head like the LM loss (--tiled-loss). No reference model is on the cards: its"
+            " log-probs are"
             " precomputed in one pass before training (one eval forward at a time), or it is the same model with"
             " its LoRA adapters off (a no-grad forward)."
         )

@@ -10,7 +10,7 @@ import errno
 import os
 import sys
 import tempfile
-from dataclasses import dataclass, field, replace
+from dataclasses import dataclass, field
 from functools import partial
 from pathlib import Path
 from typing import Any
@@ -28,7 +28,6 @@ from deepzero.engines.zero import local_values
 from deepzero.errors import UserError
 from deepzero.flops import flops_per_token, peak_tflops, routed_experts
 from deepzero.lora import LoraSpec
-from deepzero.losses import TiledLoss
 from deepzero.losses.objectives import REFERENCE_FREE, PreferenceSettings
 from deepzero.memory_savers import MemorySavers
 from deepzero.metrics import MetricsSink, redact
@@ -153,8 +152,6 @@ def plan_run(args: TrainArgs, world: int) -> RunPlan:
         checkpoint.check_resumable(args.checkpoint_dir, settings.dp_size(world) * sequence)  # ZeRO: every rank
     pipeline = isinstance(settings, engines.PipelineSettings)
     savers = MemorySavers.choose(args, config, seq_len, pipeline=pipeline, vocab_size=vocab)
-    if preference is not None:  # its log-probs come from the model's own logits (a per-row fp32 log-softmax)
-        savers = replace(savers, loss=TiledLoss(False))
     terms = SaverTerms.of(savers)
     if warning := check_fit(
         config,

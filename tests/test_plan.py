@@ -210,8 +210,8 @@ def test_cli_table_and_recommendation(capsys: pytest.CaptureFixture[str]) -> Non
 def test_cli_plans_a_preference_pair_as_two_untiled_sequences_and_recommends_whole_pairs(
     capsys: pytest.CaptureFixture[str],
 ) -> None:
-    """--preference: the table of micro-batch N pairs is the table of 2N sequences with the loss untiled (train.py
-    reads the pairs' whole logits; no reference model is added), and a recommendation is a whole pair."""
+    """--preference: the table of micro-batch N pairs is the table of 2N sequences (log-probs tiled like the LM
+    loss, no reference model added), and a recommendation is a whole pair."""
     argv = ["--model", "deepseek-ai/DeepSeek-R1-Distill-Qwen-1.5B", "--seq-len", "4096"]
 
     def table(*extra: str) -> tuple[list[str], str]:
@@ -222,9 +222,9 @@ def test_cli_plans_a_preference_pair_as_two_untiled_sequences_and_recommends_who
         return lines[start : lines.index("", start)], out
 
     pairs, out = table("--preference", "--micro-batch", "2")
-    rows, _ = table("--micro-batch", "4", "--tiled-loss", "off")
-    tiled, _ = table("--micro-batch", "4")
-    assert pairs == rows and pairs != tiled
+    rows, _ = table("--micro-batch", "4")
+    half, _ = table("--micro-batch", "2")
+    assert pairs == rows and pairs != half
     assert "micro-batch 2 pairs = 4 sequences" in out
     recommended = [line for line in out.splitlines() if line.startswith("Recommended for")]
     assert len(recommended) == 2 and all(" pair " in line or " pairs " in line for line in recommended), recommended

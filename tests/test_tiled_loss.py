@@ -150,3 +150,35 @@ def test_tiles_are_never_cut_below_the_minimum_rows() -> None:
     """Each tile reads and writes the whole [V × H] weight gradient: many tiny tiles would be memory-bound."""
     choice = TiledLoss(True, 10)
     assert [choice.tile_rows(n) for n in (5000, 1000, 100, 0)] == [500, 256, 100, 1]
+
+
+@pytest.mark.parametrize("family", ["llama", "deepseek_v3"])
+def test_tiled_row_logps_and_gradients_equal_the_models_own_logits(family: str) -> None:
+    """What a preference loss reads (``sequence_logps``): each row's summed target log-probability in tiles of the
+    real targets equals the log-softmax of the model's own logits, and so does the gradient of a weighted sum of
+    them (rows of one pair pulled in opposite directions), also through LoRA."""
+    from deepzero.losses.objectives import sequence_logps
+
+    batch = batches(tiny_models()[family].vocab_size)[0]
+    weights = torch.tensor([1.0, -0.5])
+    for wrap in (lambda m: m, lambda m: apply_lora(m, LoraSpec.parse("r=4"), verbose=False)):
+        plain = wrap(tiny(family))
+        with torch.no_grad():  # nonzero adapters, so that LoRA's gradients are not trivially equal
+            for name, p in plain.named_parameters():
+                if "lora_B" in name:
+                    p.normal_(0, 0.02)
+        tiled = copy.deepcopy(plain)
+        base = tiled.get_base_model() if hasattr(tiled, "get_base_model") else tiled
+        install_tiled_loss(base, TiledLoss(True, 3, min_tile_rows=1))
+        results = []
+        for model in (plain, tiled):
+            model.zero_grad(set_to_none=True)
+            logps, counts = sequence_logps(model, batch)
+            (logps * weights).sum().backward()
+            grads = {n: p.grad.clone() for n, p in model.named_parameters() if p.grad is not None}
+            results.append(((logps.detach(), counts), grads))
+        (ref, ref_counts), ref_grads = results[0]
+        (got, got_counts), got_grads = results[1]
+        assert torch.equal(ref_counts, got_counts) and float(ref.abs().min()) > 1
+        torch.testing.assert_close(got, ref, rtol=REL, atol=1e-6)
+        assert_same((0.0, ref_grads), (0.0, got_grads))

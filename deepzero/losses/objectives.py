@@ -26,6 +26,8 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
+from deepzero.losses.tiled import has_tiled_loss
+
 IGNORE_INDEX = -100
 LOSSES = ("sigmoid", "ipo", "hinge", "simpo")
 REFERENCES = ("precomputed", "adapters-off")
@@ -271,13 +273,18 @@ def smoothed_sigmoid(logits: torch.Tensor, smoothing: float) -> torch.Tensor:
 def sequence_logps(model: Any, batch: Batch) -> tuple[torch.Tensor, torch.Tensor]:
     """Each row's summed log-probability of its targets (labels not -100), in fp32, and its target count.
 
-    The model runs without labels (its own forward: logits, computed in the model's dtype); the log-softmax is
-    taken in fp32 one row at a time, so at most one row's [seq × vocab] fp32 copy exists at once.
+    With the tiled loss installed (``--tiled-loss on``, the default) the model returns them from its hidden states
+    over the LM head in tiles of the real targets only: prompt and padding positions never reach the head and the
+    [tokens × vocab] logits are never whole. Otherwise the model runs without labels (its own forward: logits in
+    the model's dtype) and the log-softmax is taken in fp32 one row at a time.
     """
     kwargs = {k: v for k, v in batch.items() if k in ("input_ids", "position_ids", "attention_mask")}
-    logits = model(**kwargs, use_cache=False).logits
-    labels = batch["labels"].to(logits.device)
+    labels = batch["labels"]
     keep = labels != IGNORE_INDEX
+    if has_tiled_loss(model):
+        return model(**kwargs, shift_labels=labels, row_logps=True, use_cache=False).row_logps, keep.sum(-1).float()
+    logits = model(**kwargs, use_cache=False).logits
+    labels, keep = labels.to(logits.device), keep.to(logits.device)
     safe = labels.masked_fill(~keep, 0)
     rows = []
     for i in range(logits.shape[0]):

@@ -23,6 +23,7 @@ from typing import Any
 import torch
 from torch import nn
 from transformers.modeling_outputs import CausalLMOutputWithPast
+from transformers.utils import ModelOutput
 
 IGNORE_INDEX = -100
 MIN_TILE_ROWS = 256
@@ -64,29 +65,27 @@ class TiledLoss:
 
 
 class _TiledCrossEntropy(torch.autograd.Function):
-    """``sum_t CE(hidden_t @ weight.T, target_t) / normalizer`` over rows ``hidden`` [T, H] whose targets [T] are
-    all real (no -100), in tiles of ``tile`` rows; the logits are computed in the weight's dtype and upcast to fp32
-    for the softmax, as Transformers' loss does."""
+    """Each row's ``CE(hidden_t @ weight.T, target_t)`` ([T], fp32) for rows ``hidden`` [T, H] whose targets [T]
+    are all real (no -100), in tiles of ``tile`` rows; the logits are computed in the weight's dtype and upcast to
+    fp32 for the softmax, as Transformers' loss does. Backward scales each row by its own incoming gradient."""
 
     @staticmethod
-    def forward(
-        ctx: Any, hidden: torch.Tensor, weight: torch.Tensor, targets: torch.Tensor, normalizer: torch.Tensor, tile: int
-    ) -> torch.Tensor:
-        total = torch.zeros((), dtype=torch.float32, device=hidden.device)
+    def forward(ctx: Any, hidden: torch.Tensor, weight: torch.Tensor, targets: torch.Tensor, tile: int) -> torch.Tensor:
+        losses = torch.empty(hidden.shape[0], dtype=torch.float32, device=hidden.device)
         lse = torch.empty(hidden.shape[0], dtype=torch.float32, device=hidden.device)
         for start in range(0, hidden.shape[0], tile):
             rows = slice(start, start + tile)
             logits = (hidden[rows] @ weight.t()).float()
             lse[rows] = torch.logsumexp(logits, dim=-1)
-            total += (lse[rows] - logits.gather(1, targets[rows, None]).squeeze(1)).sum()
-        ctx.save_for_backward(hidden, weight, targets, lse, normalizer)
+            losses[rows] = lse[rows] - logits.gather(1, targets[rows, None]).squeeze(1)
+        ctx.save_for_backward(hidden, weight, targets, lse)
         ctx.tile = tile
-        return total / normalizer
+        return losses
 
     @staticmethod
     def backward(ctx: Any, grad: torch.Tensor) -> tuple[torch.Tensor | None, ...]:
-        hidden, weight, targets, lse, normalizer = ctx.saved_tensors
-        scale = (grad / normalizer).float()
+        hidden, weight, targets, lse = ctx.saved_tensors
+        scale = grad.float()
         grad_hidden = torch.empty_like(hidden) if ctx.needs_input_grad[0] else None
         grad_weight = torch.zeros(weight.shape, dtype=torch.float32, device=weight.device)
         for start in range(0, hidden.shape[0], ctx.tile):
@@ -94,7 +93,7 @@ class _TiledCrossEntropy(torch.autograd.Function):
             logits = (hidden[rows] @ weight.t()).float()
             dlogits = torch.exp(logits - lse[rows, None])  # softmax
             dlogits.scatter_add_(1, targets[rows, None], torch.full_like(lse[rows, None], -1.0))
-            dlogits = (dlogits * scale).to(hidden.dtype)
+            dlogits = (dlogits * scale[rows, None]).to(hidden.dtype)
             if grad_hidden is not None:
                 grad_hidden[rows] = dlogits @ weight
             if grad_weight.dtype == dlogits.dtype:
@@ -102,7 +101,15 @@ class _TiledCrossEntropy(torch.autograd.Function):
             else:
                 grad_weight += (dlogits.t() @ hidden[rows]).float()
         grad_weight = grad_weight.to(weight.dtype) if ctx.needs_input_grad[1] else None
-        return grad_hidden, grad_weight, None, None, None
+        return grad_hidden, grad_weight, None, None
+
+
+def _real_targets(hidden: torch.Tensor, targets: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """The hidden rows [T, H] of the real targets (not -100), those targets, and each one's position in the
+    flattened ``targets`` (one host sync: the tile sizes need the count)."""
+    flat, goal = hidden.reshape(-1, hidden.shape[-1]), targets.reshape(-1).to(hidden.device)
+    keep = (goal != IGNORE_INDEX).nonzero().squeeze(1)
+    return flat.index_select(0, keep), goal.index_select(0, keep), keep
 
 
 def tiled_cross_entropy(
@@ -110,11 +117,20 @@ def tiled_cross_entropy(
 ) -> torch.Tensor:
     """The summed cross-entropy of ``hidden`` [..., H] against ``targets`` [...] (-100 ignored) over the LM head
     ``weight`` [V, H], divided by ``normalizer``; in tiles of the real targets as ``choice`` cuts them."""
-    flat, goal = hidden.reshape(-1, hidden.shape[-1]), targets.reshape(-1).to(hidden.device)
-    keep = (goal != IGNORE_INDEX).nonzero().squeeze(1)  # one host sync: the tile sizes need the count
-    rows, goal = flat.index_select(0, keep), goal.index_select(0, keep)
-    tile = choice.tile_rows(rows.shape[0])
-    return _TiledCrossEntropy.apply(rows, weight, goal, normalizer.to(hidden.device, torch.float32), tile)
+    rows, goal, _ = _real_targets(hidden, targets)
+    losses = _TiledCrossEntropy.apply(rows, weight, goal, choice.tile_rows(rows.shape[0]))
+    return losses.sum() / normalizer.to(hidden.device, torch.float32)
+
+
+def tiled_row_logps(
+    hidden: torch.Tensor, weight: torch.Tensor, targets: torch.Tensor, choice: TiledLoss
+) -> torch.Tensor:
+    """Each sequence's summed log-probability of its real targets, ``[batch]`` fp32, from ``hidden`` [batch, seq, H]
+    over the LM head in tiles: a preference loss's log-probs without the [tokens × vocab] logits."""
+    rows, goal, where = _real_targets(hidden, targets)
+    losses = _TiledCrossEntropy.apply(rows, weight, goal, choice.tile_rows(rows.shape[0]))
+    sums = torch.zeros(targets.shape[0], dtype=torch.float32, device=hidden.device)
+    return -sums.index_add(0, torch.div(where, targets.shape[-1], rounding_mode="floor"), losses)
 
 
 def _head_forward(
@@ -124,11 +140,20 @@ def _head_forward(
     normalizer: torch.Tensor | None = None,
     choice: TiledLoss | None = None,
 ) -> torch.Tensor:
-    """The LM head's forward: its logits, or with ``targets`` the tiled loss (inside the module's call, so that
-    ZeRO-3 gathers the weight once for all tiles)."""
+    """The LM head's forward: its logits; with ``targets`` the tiled loss, or each row's log-probs when
+    ``normalizer`` is None (inside the module's call, so that ZeRO-3 gathers the weight once for all tiles)."""
     if targets is None:
         return nn.functional.linear(hidden, self.weight, self.bias)
+    if normalizer is None:
+        return tiled_row_logps(hidden, self.weight, targets, choice)
     return tiled_cross_entropy(hidden, self.weight, targets, normalizer, choice)
+
+
+@dataclass
+class RowLogps(ModelOutput):
+    """What the model returns for ``row_logps=True``: each row's summed target log-probability, fp32."""
+
+    row_logps: torch.Tensor | None = None
 
 
 def _tiled_forward(
@@ -137,20 +162,33 @@ def _tiled_forward(
     labels: torch.Tensor | None = None,
     shift_labels: torch.Tensor | None = None,
     num_items_in_batch: Any = None,
+    row_logps: bool = False,
     **kwargs: Any,
 ) -> Any:
-    """The causal LM's forward with the tiled loss when labels are given; its own forward otherwise."""
+    """The causal LM's forward with the tiled loss when labels are given (``row_logps``: each row's summed target
+    log-probabilities instead, :class:`RowLogps`); its own forward otherwise."""
     if labels is None and shift_labels is None:
         return self._untiled_forward(*args, **kwargs)
     kwargs.pop("logits_to_keep", None)
     outputs = self.get_decoder()(*args, **kwargs)
     if shift_labels is None:
         shift_labels = nn.functional.pad(labels, (0, 1), value=IGNORE_INDEX)[..., 1:]
+    head = self.get_output_embeddings()
+    if row_logps:
+        return RowLogps(row_logps=head(outputs.last_hidden_state, shift_labels, None, self._tiled_loss))
     if num_items_in_batch is None:
         num_items_in_batch = (shift_labels != IGNORE_INDEX).sum()
     normalizer = torch.as_tensor(num_items_in_batch, dtype=torch.float32)
-    loss = self.get_output_embeddings()(outputs.last_hidden_state, shift_labels, normalizer, self._tiled_loss)
+    loss = head(outputs.last_hidden_state, shift_labels, normalizer, self._tiled_loss)
     return CausalLMOutputWithPast(loss=loss, logits=None)
+
+
+def has_tiled_loss(model: nn.Module) -> bool:
+    """Whether ``model`` (a Hugging Face causal LM, or a DeepSpeed engine or peft model around one) computes its
+    loss, and with ``row_logps=True`` its rows' log-probs, over the LM head in tiles."""
+    inner = getattr(model, "module", model)
+    inner = inner.get_base_model() if hasattr(inner, "get_base_model") else inner
+    return getattr(inner, "_tiled_loss", None) is not None
 
 
 def install_tiled_loss(model: nn.Module, choice: TiledLoss) -> nn.Module:
