@@ -63,13 +63,14 @@ sft-long: setup
 		--deepspeed_config $(DS_CONFIG) --data $(SFT_LONG_DATA) --out $(SFT_LONG_OUT) $(SFT_LONG_ARGS)
 
 # Preference tuning example (docs/preference.md): pairs made from the SFT example (chosen: the function's own
-# docstring answer, rejected: another module's), DPO (sigmoid) from the `make sft` export, reference log-probs
-# precomputed once by the starting weights. Runs `make sft` first when its export is missing.
+# docstring answer; rejected: the answer about a member of a module never asked about), DPO (sigmoid) from the
+# `make sft` export, reference log-probs precomputed once by the starting weights. Runs `make sft` first when its
+# export is missing. `make plot OUT=runs/dpo` draws the rewards.
 DPO_DATA  ?= artifacts/data/dpo_example
 DPO_MODEL ?= $(SFT_OUT)/hf
 DPO_OUT   ?= runs/dpo
-DPO_ARGS  ?= --max-steps 30 --warmup-steps 3 --lr 1e-3 --micro-batch 2 --grad-accum 1 --log-interval 2 \
-	--eval-interval 10 --eval-batches 2 --save-interval 0
+DPO_ARGS  ?= --max-steps 60 --warmup-steps 5 --lr 2e-4 --micro-batch 2 --grad-accum 1 --log-interval 5 \
+	--eval-interval 20 --eval-batches 2 --save-interval 0
 dpo: setup
 	test -f $(DPO_MODEL)/config.json || $(MAKE) sft
 	$(BIN)/python data/dpo_example.py --out $(DPO_DATA).jsonl

@@ -2,11 +2,15 @@
 
 python data/dpo_example.py --out artifacts/data/dpo_example.jsonl
 
-Each pair asks the SFT example's first question about a function or class ("What does json.dumps do?", after
-its system prompt); chosen is the right answer (the first paragraph of its own docstring, as in SFT) and rejected
-is the answer about another member of a different module (the next such chat in the SFT order, shifted by a
-fixed stride), in TRL's conversational layout ``{"prompt": [...], "chosen": [...], "rejected": [...]}``. The
-output depends only on the Python version; an unchanged file is not rewritten.
+The SFT example's modules are split in two, alternately in its order: questions are asked only about members of
+the first half ("What does json.dumps do?", after its system prompt), and their rejected answers come only from the
+second half. Chosen is the right answer (the first paragraph of its own docstring, as in SFT); rejected is the SFT
+answer about a member of a second-half module, taken at a fixed stride. So no answer is chosen in one pair and
+rejected in another. If the two roles were mixed, a model that does not yet read the question would be pushed both
+ways on every answer, and on held-out pairs it would be pushed the wrong way: the first version of this example did
+that and measured a val reward accuracy of 0.11. Pairs are in TRL's conversational layout
+``{"prompt": [...], "chosen": [...], "rejected": [...]}``. The output depends only on the Python version; an
+unchanged file is not rewritten.
 """
 
 from __future__ import annotations
@@ -21,20 +25,20 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 from sft_example import conversations
 
 STRIDE = 37
-"""How far along the SFT order the rejected answer is taken from (then onward to the first other module)."""
+"""How far along the second half's answers each pair's rejected answer is taken from."""
 
 
 def pairs() -> list[dict[str, list[dict[str, str]]]]:
-    """One pair per SFT conversation, in its order."""
+    """One pair per SFT conversation about a first-half module, in the SFT order."""
     chats = conversations()
-    out = []
-    for i, chat in enumerate(chats):
-        module = _module(chat)
-        j = (i + STRIDE) % len(chats)
-        while _module(chats[j]) == module:
-            j = (j + 1) % len(chats)
-        out.append({"prompt": chat[:2], "chosen": [chat[2]], "rejected": [chats[j][2]]})
-    return out
+    modules = list(dict.fromkeys(_module(chat) for chat in chats))
+    asked = set(modules[::2])
+    questions = [chat for chat in chats if _module(chat) in asked]
+    others = [chat for chat in chats if _module(chat) not in asked]
+    return [
+        {"prompt": chat[:2], "chosen": [chat[2]], "rejected": [others[(i * STRIDE) % len(others)][2]]}
+        for i, chat in enumerate(questions)
+    ]
 
 
 def _module(chat: list[dict[str, str]]) -> str:
@@ -60,7 +64,7 @@ def main(argv: list[str] | None = None) -> int:
     out = Path(p.parse_args(argv).out)
     n, changed = write(out)
     print(
-        f"dpo_example: {n} preference pairs (chosen: the right docstring, rejected: another module's) -> {out}"
+        f"dpo_example: {n} preference pairs (chosen: the right docstring; rejected: a member of a module never asked about) -> {out}"
         + ("" if changed else " (unchanged)")
     )
     return 0
