@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import argparse
 import difflib
 import json
 import math
@@ -165,6 +166,8 @@ class TrainArgs:
         **_help(
             "With a preference data folder (prepare --format preference): sigmoid (DPO, the default), ipo, hinge,"
             " or simpo (reference-free). Losses as TRL's DPOTrainer / CPOTrainer define them: docs/preference.md."
+            ' The preset\'s "preference" section sets the same keys (loss, beta, label_smoothing, simpo_gamma,'
+            " reference); the flags beat it."
         ),
     )
     beta: float | None = field(default=None, **_help("Preference loss beta (default 0.1; SimPO 2.0)."))
@@ -215,16 +218,6 @@ class TrainArgs:
             value = getattr(self, name)
             if value is not None and not (math.isfinite(value) and value >= (1e-9 if name == "peak_tflops" else 0)):
                 raise UserError(f"--{name.replace('_', '-')}", f"must be a positive number, got {value}", "pass e.g. 1")
-        if self.beta is not None and not (math.isfinite(self.beta) and self.beta > 0):
-            raise UserError("--beta", f"must be a positive number, got {self.beta}", "pass e.g. --beta 0.1")
-        if self.label_smoothing is not None and not 0 <= self.label_smoothing < 0.5:
-            raise UserError(
-                "--label-smoothing",
-                f"must be in [0, 0.5), got {self.label_smoothing}",
-                "pass e.g. 0.1, or leave it out",
-            )
-        if self.simpo_gamma is not None and not math.isfinite(self.simpo_gamma):
-            raise UserError("--simpo-gamma", f"must be a number, got {self.simpo_gamma}", "pass e.g. 0.5")
         if self.tiled_mlp not in ("on", "off") and not (self.tiled_mlp.isdigit() and int(self.tiled_mlp) >= 1):
             raise UserError(f"--tiled-mlp {self.tiled_mlp}", "not on, off or a tile count", "pass on, off or e.g. 4")
         if self.attn_implementation not in ATTENTION and "/" not in self.attn_implementation:
@@ -249,6 +242,9 @@ def parse_args(argv: list[str] | None = None) -> TrainArgs:
 
     parser = HfArgumentParser(TrainArgs, description="Train a DeepSeek-family model with DeepSpeed ZeRO.")
     parser.error = _flag_error  # argparse prints usage and its own error line, then exits: make it ours
+    for action in parser._actions:  # --ds a=1 --ds b=2 keeps both (argparse's nargs="+" keeps only the last)
+        if action.dest == "ds":
+            action.__class__ = argparse._ExtendAction
     (args, rest) = parser.parse_args_into_dataclasses(args=argv, return_remaining_strings=True)
     if rest:
         flags = [a.split("=")[0] for a in rest if a.startswith("-")] or rest

@@ -209,6 +209,18 @@ def replace_schedule(cfg: dict[str, Any], name: str, lr: Any = "auto") -> None:
     cfg["scheduler"] = {"type": LR_SCHEDULES[name]["type"], "params": {**params, "warmup_type": "linear"}}
 
 
+OWNED_SECTIONS = ("preference",)
+"""Preset sections that deepzero reads itself (the preference loss: ``deepzero.losses.objectives``); removed from
+the config before it is validated and handed to DeepSpeed."""
+
+
+def owned_section(path: str | Path, overrides: list[str] | tuple[str, ...], name: str) -> Any:
+    """The preset's ``name`` section after the ``--ds`` overrides (None when absent)."""
+    raw = load_json(path)
+    apply_overrides(raw, list(overrides), str(path))
+    return raw.get(name)
+
+
 def load_json(path: str | Path) -> dict[str, Any]:
     """Read a JSON preset; a missing file or a syntax error becomes one clear line."""
     path = Path(path)
@@ -665,6 +677,8 @@ def resolve(
     raw = load_json(path)
     cfg = copy.deepcopy({k: v for k, v in raw.items() if not k.startswith("_")})
     apply_overrides(cfg, list(overrides), str(path))
+    for name in OWNED_SECTIONS:  # read by deepzero (owned_section), never by DeepSpeed
+        cfg.pop(name, None)
     if problems := shape_problems(cfg):
         raise UserError(str(path), "; ".join(problems), "edit the file or override with --ds key=value")
     problems, fixes = [], []

@@ -28,7 +28,7 @@ from deepzero.engines.zero import local_values
 from deepzero.errors import UserError
 from deepzero.flops import flops_per_token, peak_tflops, routed_experts
 from deepzero.lora import LoraSpec
-from deepzero.losses.objectives import REFERENCE_FREE, PreferenceSettings
+from deepzero.losses.objectives import PREFERENCE_KEYS, PREFERENCE_SECTION, PreferenceSettings, choose_preference
 from deepzero.memory_savers import MemorySavers
 from deepzero.metrics import MetricsSink, redact
 from deepzero.op_builds import check_op_builds
@@ -170,38 +170,27 @@ def plan_run(args: TrainArgs, world: int) -> RunPlan:
 
 
 def plan_preference(args: TrainArgs, meta: dict[str, Any]) -> PreferenceSettings | None:
-    """The preference loss for a preference data folder (sigmoid DPO unless the flags pick another); the
-    preference flags on other data are an error."""
+    """The preference loss for a preference data folder: sigmoid DPO unless a flag or the preset's "preference"
+    section (after ``--ds`` overrides) picks another, flags first. Either one on other data is an error."""
     flags = {
-        "preference_loss": args.preference_loss,
+        "loss": args.preference_loss,
         "beta": args.beta,
         "label_smoothing": args.label_smoothing,
         "simpo_gamma": args.simpo_gamma,
         "reference": args.reference,
     }
-    given = [f"--{k.replace('_', '-')}" for k, v in flags.items() if v is not None]
+    section = dsconfig.owned_section(args.deepspeed_config, args.ds, PREFERENCE_SECTION)
+    given = [PREFERENCE_KEYS[k] for k, v in flags.items() if v is not None]
+    given += [f"{args.deepspeed_config}: {PREFERENCE_SECTION}"] * (section is not None)
     if meta["format"] != "preference":
         if given:
             raise UserError(
                 given[0],
                 f"{args.data} holds {meta['format']} data, not preference pairs",
-                "prepare pairs with data/prepare.py --format preference, or drop the flag",
+                "prepare pairs with data/prepare.py --format preference, or drop it",
             )
         return None
-    loss = args.preference_loss or "sigmoid"
-    if loss not in REFERENCE_FREE and args.simpo_gamma is not None:
-        raise UserError("--simpo-gamma", f"is SimPO's margin, not used by --preference-loss {loss}", "drop it")
-    if loss in REFERENCE_FREE and args.reference is not None:
-        raise UserError(f"--reference {args.reference}", f"{loss} uses no reference model", "drop --reference")
-    if loss in ("ipo", "hinge") and args.label_smoothing:
-        raise UserError("--label-smoothing", f"applies to sigmoid and simpo, not {loss}", "drop it")
-    return PreferenceSettings(
-        loss=loss,
-        beta=args.beta if args.beta is not None else (2.0 if loss == "simpo" else 0.1),
-        label_smoothing=args.label_smoothing or 0.0,
-        simpo_gamma=args.simpo_gamma if args.simpo_gamma is not None else 0.5,
-        reference=args.reference or "precomputed",
-    )
+    return choose_preference(flags, section, args.deepspeed_config)
 
 
 def plan_tokenizer(args: TrainArgs, meta: dict[str, Any]) -> Any:

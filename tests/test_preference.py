@@ -22,6 +22,7 @@ from deepzero.data import GlobalBatchSampler, PreferenceDataset, open_split
 from deepzero.data.preference import parse_record, read_pairs
 from deepzero.data.prepare import split_of
 from deepzero.errors import UserError
+from deepzero.losses.objectives import PreferenceSettings
 from deepzero.presets import get_preset
 
 SEQ_LEN, SEED, VAL = 96, 0, 0.15
@@ -428,3 +429,65 @@ def test_the_pair_losses_equal_trl_cpo_trainers_formulas(loss: str, smoothing: f
     for a, b in zip(ours, theirs, strict=True):
         torch.testing.assert_close(a, b, rtol=1e-6, atol=1e-7)
     assert ours[0].std() > 0  # the pairs differ: a test that can fail
+
+
+# --- choosing the loss: flags, the preset's "preference" section, refusals ---------------------------------------------
+
+
+def plan_with(pref: dict, tmp_path: Path, *extra: str, preset: dict | None = None, data: Path | None = None):
+    """``plan_run`` (no launch) on the pairs with ZeRO-2, the preset optionally given a "preference" section."""
+    from deepzero.args import parse_args
+    from deepzero.run import plan_run
+
+    config = REPO / "ds_configs" / "zero2.json"
+    if preset is not None:
+        config = tmp_path / "preset.json"
+        config.write_text(json.dumps({**json.loads((REPO / "ds_configs/zero2.json").read_text()), **preset}))
+    argv = ["--deepspeed_config", str(config), "--data", str(data or pref["data"]), "--model", str(pref["model"])]
+    argv += ["--out", str(tmp_path / "run"), "--micro-batch", "1", "--grad-accum", "1", "--precision", "fp32"]
+    return plan_run(parse_args([*argv, *extra]), 1)
+
+
+def test_the_preset_section_picks_the_loss_and_the_flags_beat_it(pref: dict, tmp_path: Path) -> None:
+    """A preference folder alone trains sigmoid DPO; the preset's "preference" section (or --ds on it) picks
+    another loss and its beta, and each flag beats the key it names; the section never reaches DeepSpeed."""
+    assert plan_with(pref, tmp_path).preference == PreferenceSettings()
+    section = {"preference": {"loss": "ipo", "beta": 0.3}}
+    plan = plan_with(pref, tmp_path, preset=section)
+    assert (plan.preference.loss, plan.preference.beta) == ("ipo", 0.3) and "preference" not in plan.cfg.ds
+    plan = plan_with(pref, tmp_path, "--beta", "0.05", preset=section)
+    assert (plan.preference.loss, plan.preference.beta) == ("ipo", 0.05)
+    plan = plan_with(pref, tmp_path, "--ds", "preference.loss=simpo", "--ds", "preference.simpo_gamma=1.0")
+    assert (plan.preference.loss, plan.preference.beta, plan.preference.simpo_gamma) == ("simpo", 2.0, 1.0)
+    assert plan.preference.reference == "none"
+
+
+REFUSALS = {
+    "unknown key": ({"preference": {"los": "ipo"}}, [], "preset.json: preference.los: Unknown config key"),
+    "bad loss": ({"preference": {"loss": "kto"}}, [], "preset.json: preference.loss: unknown preference loss 'kto'"),
+    "bad beta": ({"preference": {"beta": -1}}, [], "preset.json: preference.beta: must be a positive number"),
+    "flag": ({}, ["--label-smoothing", "0.7"], "--label-smoothing: must be a number in [0, 0.5), got 0.7"),
+    "gamma without simpo": ({"preference": {"simpo_gamma": 1}}, [], "preference.simpo_gamma: is SimPO's margin"),
+    "reference-free": ({}, ["--preference-loss", "simpo", "--reference", "precomputed"], "simpo uses no reference"),
+    "smoothing with ipo": ({}, ["--preference-loss", "ipo", "--label-smoothing", "0.1"], "not ipo"),
+}
+
+
+@pytest.mark.parametrize("case", REFUSALS)
+def test_a_bad_preference_choice_is_one_line_naming_the_flag_or_the_preset_key(
+    pref: dict, tmp_path: Path, case: str
+) -> None:
+    preset, flags, expected = REFUSALS[case]
+    with pytest.raises(UserError) as err:
+        plan_with(pref, tmp_path, *flags, preset=preset)
+    assert expected in str(err.value) and "\n" not in str(err.value), str(err.value)
+
+
+def test_a_preference_choice_on_text_data_is_refused(pref: dict, tmp_path: Path, tiny_data: Path) -> None:
+    for preset, flags, where in (
+        ({}, ["--beta", "0.2"], "--beta"),
+        ({"preference": {}}, [], f"{tmp_path / 'preset.json'}: preference"),
+    ):
+        with pytest.raises(UserError) as err:
+            plan_with(pref, tmp_path, *flags, preset=preset or None, data=tiny_data)
+        assert str(err.value).startswith(f"{where}: ") and "holds text data, not preference pairs" in str(err.value)

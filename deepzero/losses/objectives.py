@@ -17,6 +17,7 @@ the share of pairs whose chosen reward is higher, ``rewards/margins`` the mean d
 
 from __future__ import annotations
 
+import math
 from collections.abc import Iterator
 from contextlib import contextmanager
 from dataclasses import asdict, dataclass
@@ -26,6 +27,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
+from deepzero.errors import UserError
 from deepzero.losses.tiled import has_tiled_loss
 
 IGNORE_INDEX = -100
@@ -121,6 +123,69 @@ class PreferenceSettings:
     def __post_init__(self) -> None:
         if self.loss in REFERENCE_FREE:
             self.reference = "none"
+
+
+PREFERENCE_SECTION = "preference"
+"""The DeepSpeed preset's section that deepzero owns (removed before DeepSpeed sees the config)."""
+PREFERENCE_KEYS = {
+    "loss": "--preference-loss",
+    "beta": "--beta",
+    "label_smoothing": "--label-smoothing",
+    "simpo_gamma": "--simpo-gamma",
+    "reference": "--reference",
+}
+"""The preset section's keys and the flag that beats each."""
+
+
+def choose_preference(flags: dict[str, Any], section: Any, where: str) -> PreferenceSettings:
+    """The preference settings: each flag given (``flags``, by section key) beats the preset's ``"preference"``
+    section (``section``, from ``where``: the preset's path); the defaults fill the rest. Every value is checked,
+    and an error names the flag or the preset key it came from."""
+    fix_keys = f'use only {", ".join(PREFERENCE_KEYS)} in the "{PREFERENCE_SECTION}" section'
+    if section is None:
+        section = {}
+    if not isinstance(section, dict):
+        raise UserError(f"{where}: {PREFERENCE_SECTION}", "must be an object", fix_keys)
+    if unknown := [k for k in section if k not in PREFERENCE_KEYS]:
+        raise UserError(f"{where}: {PREFERENCE_SECTION}.{unknown[0]}", "Unknown config key", fix_keys)
+    values, origin = {}, {}
+    for key, flag in PREFERENCE_KEYS.items():
+        if flags.get(key) is not None:
+            values[key], origin[key] = flags[key], flag
+        elif key in section:
+            values[key], origin[key] = section[key], f"{where}: {PREFERENCE_SECTION}.{key}"
+    loss = values.get("loss", "sigmoid")
+    if loss not in LOSSES:
+        raise UserError(origin["loss"], f"unknown preference loss {loss!r}", f"use one of {', '.join(LOSSES)}")
+    checks = {
+        "beta": (lambda v: v > 0, "a positive number", "0.1"),
+        "label_smoothing": (lambda v: 0 <= v < 0.5, "a number in [0, 0.5)", "0.1"),
+        "simpo_gamma": (lambda v: True, "a number", "0.5"),
+    }
+    for key, (ok, what, example) in checks.items():
+        value = values.get(key)
+        if value is not None and not (_is_number(value) and math.isfinite(value) and ok(value)):
+            raise UserError(origin[key], f"must be {what}, got {value!r}", f"pass e.g. {example}")
+    reference = values.get("reference")
+    if reference is not None and reference not in REFERENCES:
+        raise UserError(origin["reference"], f"unknown reference {reference!r}", f"use {' or '.join(REFERENCES)}")
+    if loss not in REFERENCE_FREE and "simpo_gamma" in values:
+        raise UserError(origin["simpo_gamma"], f"is SimPO's margin, not used by the {loss} loss", "drop it")
+    if loss in REFERENCE_FREE and reference is not None:
+        raise UserError(origin["reference"], f"{loss} uses no reference model", "drop it")
+    if loss in ("ipo", "hinge") and values.get("label_smoothing"):
+        raise UserError(origin["label_smoothing"], f"applies to sigmoid and simpo, not {loss}", "drop it")
+    return PreferenceSettings(
+        loss=loss,
+        beta=float(values.get("beta", 2.0 if loss == "simpo" else 0.1)),
+        label_smoothing=float(values.get("label_smoothing", 0.0)),
+        simpo_gamma=float(values.get("simpo_gamma", 0.5)),
+        reference=reference or "precomputed",
+    )
+
+
+def _is_number(value: Any) -> bool:
+    return isinstance(value, int | float) and not isinstance(value, bool)
 
 
 class Preference:
