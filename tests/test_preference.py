@@ -470,6 +470,8 @@ REFUSALS = {
     "gamma without simpo": ({"preference": {"simpo_gamma": 1}}, [], "preference.simpo_gamma: is SimPO's margin"),
     "reference-free": ({}, ["--preference-loss", "simpo", "--reference", "precomputed"], "simpo uses no reference"),
     "smoothing with ipo": ({}, ["--preference-loss", "ipo", "--label-smoothing", "0.1"], "not ipo"),
+    "adapters-off without LoRA": ({}, ["--reference", "adapters-off"], "only when LoRA adapters train"),
+    "layer split": ({}, ["--device-map", "balanced"], "runs on the ZeRO engine only, not with --device-map"),
 }
 
 
@@ -491,3 +493,22 @@ def test_a_preference_choice_on_text_data_is_refused(pref: dict, tmp_path: Path,
         with pytest.raises(UserError) as err:
             plan_with(pref, tmp_path, *flags, preset=preset or None, data=tiny_data)
         assert str(err.value).startswith(f"{where}: ") and "holds text data, not preference pairs" in str(err.value)
+
+
+def test_reference_log_probs_of_other_weights_or_data_are_refused_in_one_line(pref: dict, tmp_path: Path) -> None:
+    """A reference folder whose stamp does not match this run (another model, precision or data) stops the run
+    before anything is scored, naming the stamp file and what changed; a matching one is loaded as it is."""
+    from deepzero import reference
+
+    data = open_split(pref["data"], "train")
+    expected = reference.stamp(str(pref["model"]), False, 0, "fp32", pref["data"])
+    values = {"train": np.arange(2 * len(data), dtype=np.float32).reshape(-1, 2)}
+    reference.publish(tmp_path / "reference", values, {**expected, "pairs": {"train": len(data)}})
+    line = reference.attach(None, {"train": data}, tmp_path, expected)
+    assert "reused" in line and np.array_equal(data.reference, values["train"])
+    for key, value in (("precision", "bf16"), ("data", "0" * 16), ("weights", "other")):
+        with pytest.raises(UserError) as err:
+            reference.attach(None, {"train": data}, tmp_path, {**expected, key: value})
+        message = str(err.value)
+        assert message.startswith(f"{tmp_path / 'reference' / 'reference.json'}: ") and f"{key} " in message
+        assert "\n" not in message and "delete" in message
