@@ -300,3 +300,16 @@ def test_fp32_accumulation_of_16_bit_gradients_without_zero_is_one_line() -> Non
     with pytest.raises(UserError, match=r"'data_types\.grad_accum_dtype' 'fp32' with bf16 needs 'zero_optimization"):
         resolve("ds_configs/zero2_bf16.json", 3, HINTS, ["zero_optimization.stage=0"], kernels=NATIVE_16BIT)
     resolve("ds_configs/zero2_bf16.json", 3, HINTS, ["zero_optimization.stage=1"], kernels=NATIVE_16BIT)
+    with pytest.raises(UserError, match=r"'data_types\.grad_accum_dtype' 'fp32' with bf16 needs 'zero_optimization"):
+        resolve("ds_configs/pipeline.json", 1, HINTS, ["zero_optimization.stage=0"], kernels=NATIVE_16BIT)
+
+
+def test_the_pipeline_with_bf16_and_fp32_accumulation_needs_immediate_grad_updates() -> None:
+    """Without bf16.immediate_grad_update, DeepSpeed 0.19.8's BF16_Optimizer under the pipeline schedule loses part of
+    each step's gradient (tests/test_pipeline.py::test_loss_falls fails: 6.27 -> 6.06 instead of 5.40): one line
+    naming the key; the shipped pipeline preset sets it, and bf16 accumulation needs nothing."""
+    with pytest.raises(UserError, match=r"'bf16\.immediate_grad_update' must be true with the \"pipeline\" section"):
+        resolve("ds_configs/pipeline.json", 1, HINTS, ["bf16.immediate_grad_update=false"], kernels=NATIVE_16BIT)
+    resolve("ds_configs/pipeline.json", 1, HINTS, [], kernels=NATIVE_16BIT)
+    over = ["bf16.immediate_grad_update=false", "data_types.grad_accum_dtype=bf16"]
+    resolve("ds_configs/pipeline.json", 1, HINTS, over, kernels=NATIVE_16BIT)
