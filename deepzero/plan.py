@@ -1302,14 +1302,24 @@ def check_fit(
     est = estimate(stats, setup)
     if est.fits(gpu_mem, cpu_mem):
         return None
-    return f"{_shortfall(est, gpu_mem_gb, cpu_mem_gb)}; {_advice(stats, setup, gpu_mem, cpu_mem)}"
+    shortfall = _shortfall(est, gpu_mem_gb, cpu_mem_gb, rows_per_sample)
+    return f"{shortfall}; {_advice(stats, setup, gpu_mem, cpu_mem, rows_per_sample)}"
 
 
-def _shortfall(est: Estimate, gpu_mem_gb: float, cpu_mem_gb: float | None) -> str:
+def _micro_text(sequences: int, rows_per_sample: int) -> str:
+    """A micro-batch as the user sets it: sequences, or pairs of them for a preference run."""
+    if rows_per_sample == 1:
+        return str(sequences)
+    pairs = sequences // rows_per_sample
+    return f"{pairs} pair{'s' * (pairs != 1)} ({sequences} sequences)"
+
+
+def _shortfall(est: Estimate, gpu_mem_gb: float, cpu_mem_gb: float | None, rows_per_sample: int = 1) -> str:
     setup = est.setup
     if est.gpu_total > gpu_mem_gb * GiB:
         return (
-            f"memory plan: {setup.label()} at micro-batch {setup.micro_batch}, seq {setup.seq_len} needs "
+            f"memory plan: {setup.label()} at micro-batch {_micro_text(setup.micro_batch, rows_per_sample)}, seq"
+            f" {setup.seq_len} needs "
             f"~{_gib(est.gpu_total)} GiB per GPU ({est.where}: params {_gib(est.params)}, grads {_gib(est.grads)}, "
             f"optimizer {_gib(est.optimizer)}, activations {_gib(est.activations)}, logits {_gib(est.logits)}, "
             f"buffers {_gib(est.buffers)}) but the cards have {gpu_mem_gb:.1f} GiB"
@@ -1323,11 +1333,13 @@ def _shortfall(est: Estimate, gpu_mem_gb: float, cpu_mem_gb: float | None) -> st
     )
 
 
-def _advice(stats: ModelStats, setup: Setup, gpu_mem: float, cpu_mem: float | None) -> str:
-    """What would fit: a smaller micro-batch, checkpointing in this layout, else the first ZeRO preset that fits."""
-    mb = max_micro_batch(stats, setup, gpu_mem, cpu_mem)
+def _advice(stats: ModelStats, setup: Setup, gpu_mem: float, cpu_mem: float | None, rows_per_sample: int = 1) -> str:
+    """What would fit: a smaller micro-batch (whole samples: a preference pair is ``rows_per_sample`` sequences),
+    checkpointing in this layout, else the first ZeRO preset that fits."""
+    mb = max_micro_batch(stats, setup, gpu_mem, cpu_mem) // rows_per_sample * rows_per_sample
     if mb:
-        return f"micro-batch {mb} fits (raise gradient_accumulation_steps to keep the global batch)."
+        micro = _micro_text(mb, rows_per_sample)
+        return f"micro-batch {micro} fits (raise gradient_accumulation_steps to keep the global batch)."
     layout = setup.layout
     ckpt, fix = None, ""
     if isinstance(layout, PipelineLayout) and not layout.checkpoint_interval:
@@ -1335,7 +1347,7 @@ def _advice(stats: ModelStats, setup: Setup, gpu_mem: float, cpu_mem: float | No
         fix = "set pipeline.activation_checkpoint_interval to 1."
     elif layout is None and not setup.checkpointing:
         ckpt, fix = replace(setup, checkpointing=True), "turn on gradient checkpointing."
-    if ckpt is not None and max_micro_batch(stats, ckpt, gpu_mem, cpu_mem):
+    if ckpt is not None and max_micro_batch(stats, ckpt, gpu_mem, cpu_mem) >= rows_per_sample:
         return fix
     if isinstance(layout, LayerSplitLayout):
         return "split over more cards (--device-map-devices), or use a ZeRO preset with LoRA or offload."
@@ -1349,11 +1361,13 @@ def _advice(stats: ModelStats, setup: Setup, gpu_mem: float, cpu_mem: float | No
         lora_rank=setup.lora_rank,
         pretrained=setup.pretrained,
         savers=setup.savers,
+        min_micro=rows_per_sample,
     )
     if rec is None:
         return "no ds_configs preset fits: use LoRA, a smaller model, shorter sequences or more cards."
     ckpt = " with gradient checkpointing" if rec.setup.checkpointing else ""
-    return f"try ds_configs/{rec.preset}.json{ckpt} at micro-batch {rec.micro_batch} (python -m deepzero.plan)."
+    micro = _micro_text(rec.micro_batch, rows_per_sample)
+    return f"try ds_configs/{rec.preset}.json{ckpt} at micro-batch {micro} (python -m deepzero.plan)."
 
 
 # ------------------------------------------------------------------------------------------------- CLI

@@ -309,6 +309,17 @@ def test_check_fit_zero_plans_pretrained_weights_in_the_training_dtype() -> None
     assert too_big and too_big.startswith("memory plan: ZeRO-2 at micro-batch 4") and "micro-batch 2 fits" in too_big
 
 
+def test_check_fit_plans_preference_pairs_as_two_sequences_and_advises_whole_pairs() -> None:
+    """A preference run's micro-batch of 2 pairs is 4 sequences: the same 33.0 GiB as the LM run at micro 4 above,
+    and the warning speaks in pairs, advising the 2 sequences that fit as 1 pair."""
+    config, settings, cfg = _resolved("deepseek-coder-1.3b", "zero2_bf16", N, micro=2)
+    kw = {"world_size": N, "pretrained": True, "gpu_mem_gb": 24, "cpu_mem_gb": 128}
+    pairs = plan.check_fit(config, settings, cfg, 2048, rows_per_sample=2, **kw)
+    assert pairs and pairs.startswith("memory plan: ZeRO-2 at micro-batch 2 pairs (4 sequences), seq 2048 needs ~33.0")
+    assert "micro-batch 1 pair (2 sequences) fits" in pairs and "\n" not in pairs
+    assert plan.check_fit(config, settings, cfg, 2048, **kw) is None  # the same 2 rows as one LM micro-batch fit
+
+
 def test_check_fit_plans_lora_runs_as_lora() -> None:
     """The issue's case: R1-Distill-Qwen-14B, LoRA r16 on attention, zero2_bf16 + checkpointing, micro 1, 3 ranks.
     Old plan: a full fine-tune, 116.7 GiB per card and 174.1 GiB (187 GB) of host; engine: frozen bf16 base, 36.6
