@@ -30,7 +30,6 @@ from deepzero.preemption import StopRequest
 from deepzero.run import Run, setup
 
 ERROR_EXIT_GRACE_S = 5.0
-PEERS_FINISH_S = 2.0
 ROW_TRACE_ENV = "DEEPZERO_ROW_TRACE"
 """A folder: every rank records the row ids of its micro-batches there (see ``traced_rows``)."""
 
@@ -49,17 +48,15 @@ def main(argv: list[str] | None = None) -> int:
     except UserError as err:
         if os.environ.get("RANK", "0") == "0" or dist.is_initialized():
             prefix = f"[rank {dist.get_rank()}] " if dist.is_initialized() and dist.get_rank() else ""
-            print(f"{prefix}error: {err}", file=sys.stderr, flush=True)
+            # One write of the whole line: print() writes the text and its newline separately, and ranks sharing
+            # the launcher's stderr then interleave ("...(NFS, Lustre, ...)[rank 2] error: ...\n\n", seen in CI).
+            sys.stderr.write(f"{prefix}error: {err}\n")
+            sys.stderr.flush()
         if os.environ.get("RANK", "0") != "0":
             # The launcher kills every rank once one exits non-zero: wait, so that rank 0 reaching the same error a
             # moment later still prints its line instead of being killed before it does (rank 0 exiting first ends
             # the job at once).
             time.sleep(ERROR_EXIT_GRACE_S)
-        elif dist.is_initialized() and dist.get_world_size() > 1:
-            # Rank 0 too waits a moment: a peer may still be inside the collective that found the error (a ring
-            # all-reduce's last hop runs through another rank), and rank 0's exit makes the launcher kill its node's
-            # ranks, so a peer waiting on one of them never prints its line (seen once in the two-node test).
-            time.sleep(PEERS_FINISH_S)
         return 2
     finally:  # on every way out: the entry point ends without interpreter shutdown (exit_process)
         if run is not None:

@@ -376,3 +376,30 @@ def test_corrupt_checkpoint_through_the_launcher(tiny_data: Path, tmp_path: Path
     proc = launch(args, nproc=2, env=cpu_env(HF_HUB_OFFLINE="1"), check=False)
     outcome = Outcome(Case(args, {"checkpoints": str(ckpt)}, out), proc.returncode, proc.stderr, before)
     check(outcome, doc_rows()["Corrupt checkpoint (truncated file)"])
+
+
+def test_the_error_line_is_one_write_so_ranks_sharing_stderr_cannot_split_it(
+    monkeypatch: pytest.MonkeyPatch, tmp_path: Path
+) -> None:
+    """Ranks share the launcher's stderr unbuffered (PYTHONUNBUFFERED=1): print() wrote the text and its newline as
+    two writes, and a peer's line landed between them in CI ("...(NFS, Lustre, ...)[rank 2] error: ...\\n\\n").
+    train.py's error line is a single write that ends with its newline."""
+    from deepzero import trainer
+
+    writes: list[str] = []
+
+    class Recorder:
+        def write(self, text: str) -> int:
+            writes.append(text)
+            return len(text)
+
+        def flush(self) -> None:
+            pass
+
+    monkeypatch.setattr(sys, "stderr", Recorder())
+    monkeypatch.delenv("RANK", raising=False)
+    missing = tmp_path / "missing.json"
+    assert trainer.main(["--deepspeed_config", str(missing), "--out", str(tmp_path / "out")]) == 2
+    errors = [w for w in writes if "error: " in w]
+    assert len(errors) == 1 and errors[0].startswith("error: ") and errors[0].endswith("\n"), writes
+    assert errors[0].count("\n") == 1 and str(missing) in errors[0]
