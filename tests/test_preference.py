@@ -12,6 +12,7 @@ import math
 import subprocess
 import sys
 from pathlib import Path
+from types import SimpleNamespace
 
 import numpy as np
 import pytest
@@ -512,3 +513,135 @@ def test_reference_log_probs_of_other_weights_or_data_are_refused_in_one_line(pr
         message = str(err.value)
         assert message.startswith(f"{tmp_path / 'reference' / 'reference.json'}: ") and f"{key} " in message
         assert "\n" not in message and "delete" in message
+
+
+def test_the_stamp_of_a_hub_model_names_the_revision_it_loaded(
+    pref: dict, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A hub id (or a preset naming one) is stamped with the commit its weights were loaded from, read from the
+    cache Transformers loaded it through: the same id at a new upstream commit is other weights, refused."""
+    import huggingface_hub.constants
+
+    from deepzero import reference
+
+    monkeypatch.setattr(huggingface_hub.constants, "HF_HUB_CACHE", str(tmp_path / "hub"))
+
+    def loaded(repo: str, commit: str) -> None:
+        """What from_pretrained leaves in the cache: refs/main -> the commit, its snapshot with config.json."""
+        cached = tmp_path / "hub" / f"models--{repo.replace('/', '--')}"
+        (cached / "refs").mkdir(parents=True, exist_ok=True)
+        (cached / "refs" / "main").write_text(commit)
+        (cached / "snapshots" / commit).mkdir(parents=True, exist_ok=True)
+        (cached / "snapshots" / commit / "config.json").write_text("{}")
+
+    old, new = "a" * 40, "b" * 40
+    for spec, repo in (("org/model", "org/model"), ("deepseek-coder-1.3b", "deepseek-ai/deepseek-coder-1.3b-base")):
+        loaded(repo, old)
+        before = reference.stamp(spec, False, 0, "fp32", pref["data"])
+        loaded(repo, new)
+        after = reference.stamp(spec, False, 0, "fp32", pref["data"])
+        assert old in before["weights"] and new in after["weights"], (before, after)
+        data = open_split(pref["data"], "train")
+        reference.publish(tmp_path / "reference", {"train": np.zeros((len(data), 2), np.float32)},
+                          {**before, "pairs": {"train": len(data)}})  # fmt: skip
+        with pytest.raises(UserError, match=f"weights .*{old}.* -> .*{new}"):
+            reference.attach(None, {"train": data}, tmp_path, after)
+
+
+def test_re_preparing_the_same_data_keeps_the_reference_stamp(pref: dict, tmp_path: Path) -> None:
+    """The stamp hashes the prepared rows (ids, masks) and how to read them, not meta.json's timings, paths or the
+    inputs' mtimes: the same pairs prepared again (another mtime, another path) keep it; one changed pair does not."""
+    import os
+
+    from deepzero import reference
+
+    tokenizer = str(pref["data"] / "tokenizer")
+    first = write_jsonl(tmp_path / "pairs.jsonl", make_pairs(12))
+    assert prepare(first, tmp_path / "data", tokenizer=tokenizer).returncode == 0
+    before = reference.stamp(str(pref["model"]), False, 0, "fp32", tmp_path / "data")
+    meta_before = json.loads((tmp_path / "data" / "meta.json").read_text())
+    os.utime(first, (1e9, 1e9))  # the input touched: prepare's fingerprint changes, so it rebuilds
+    copy = write_jsonl(tmp_path / "elsewhere.jsonl", make_pairs(12))
+    for source in (first, copy):
+        assert prepare(source, tmp_path / "data", tokenizer=tokenizer).returncode == 0
+        meta = json.loads((tmp_path / "data" / "meta.json").read_text())
+        assert meta != meta_before  # the rebuild happened and meta.json differs ...
+        assert reference.stamp(str(pref["model"]), False, 0, "fp32", tmp_path / "data") == before  # ... the rows not
+    changed = make_pairs(12)
+    changed[0]["chosen"][0]["content"] = "It is something else entirely."
+    assert prepare(write_jsonl(first, changed), tmp_path / "data", tokenizer=tokenizer).returncode == 0
+    assert reference.stamp(str(pref["model"]), False, 0, "fp32", tmp_path / "data")["data"] != before["data"]
+
+
+def _reference_worker(rank: int, port: int, root: str, data_dir: str) -> None:
+    """One of two ranks, each with its own out folder per case (a node-local disk): rank 0's view decides."""
+    import datetime
+
+    import torch.distributed as dist
+
+    from deepzero import reference
+
+    dist.init_process_group(
+        "gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=2, timeout=datetime.timedelta(seconds=60)
+    )
+
+    def fake_logps(model: object, batch: dict) -> tuple[torch.Tensor, torch.Tensor]:
+        return -batch["input_ids"].double().sum(-1) / 1000, (batch["labels"] != -100).sum(-1).float()
+
+    reference.sequence_logps = fake_logps  # scoring without a model: the ranks' agreement is under test
+    engine = SimpleNamespace(engine=torch.nn.Linear(1, 1), dp_rank=rank, dp_size=2, device=torch.device("cpu"))
+    expected = {"model": "m", "weights": "w", "precision": "fp32", "data": "d"}
+    results = {}
+    for case in CASES:
+        out = Path(root, case, f"rank{rank}")
+        data = open_split(data_dir, "train")
+        try:
+            line = reference.attach(engine, {"train": data}, out, expected)
+            results[case] = {"reused": "reused" in line, "reference": data.reference.tolist()}
+        except UserError as err:
+            results[case] = {"error": str(err)}
+    Path(root, f"rank{rank}.json").write_text(json.dumps(results))
+    dist.destroy_process_group()
+
+
+CASES = {
+    # what each rank's out folder holds before the run: "valid" (a matching stamp), "stale" (another precision)
+    "reuse": ("valid", None),
+    "compute": (None, "stale"),
+    "refuse": ("stale", "valid"),
+}
+
+
+def test_every_rank_follows_rank_0s_look_at_the_reference_folder(pref: dict, tmp_path: Path) -> None:
+    """Ranks that see the out folder differently (a node-local disk) still agree: rank 0 decides load, compute or
+    refuse and every rank follows, with rank 0's numbers; nothing hangs in a collective."""
+    import time
+
+    import torch.multiprocessing as mp
+
+    from deepzero import reference
+    from deepzero.distributed import free_port
+
+    data = open_split(pref["data"], "train")
+    expected = {"model": "m", "weights": "w", "precision": "fp32", "data": "d"}
+    valid = np.arange(2 * len(data), dtype=np.float32).reshape(-1, 2)
+    for case, views in CASES.items():
+        for rank, view in enumerate(views):
+            if view is not None:
+                stamp = {**expected, "precision": "bf16" if view == "stale" else "fp32", "pairs": {"train": len(data)}}
+                reference.publish(tmp_path / case / f"rank{rank}" / reference.FOLDER, {"train": valid}, stamp)
+    ctx = mp.spawn(_reference_worker, args=(free_port(), str(tmp_path), str(pref["data"])), nprocs=2, join=False)
+    deadline = time.monotonic() + 240
+    while not ctx.join(timeout=1):
+        if time.monotonic() > deadline:
+            for process in ctx.processes:
+                process.kill()
+            pytest.fail("the ranks hung in a collective")
+    ranks = [json.loads((tmp_path / f"rank{r}.json").read_text()) for r in range(2)]
+    assert ranks[0] == ranks[1]
+    got = ranks[0]
+    assert got["reuse"] == {"reused": True, "reference": valid.tolist()}
+    assert not got["compute"]["reused"] and got["compute"]["reference"] != valid.tolist()
+    published = json.loads((tmp_path / "compute" / "rank0" / reference.FOLDER / reference.STAMP).read_text())
+    assert published["precision"] == "fp32"  # rank 0 published what every rank computed
+    assert "precision 'bf16' -> 'fp32'" in got["refuse"]["error"] and "\n" not in got["refuse"]["error"]
