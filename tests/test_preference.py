@@ -432,6 +432,62 @@ def test_the_pair_losses_equal_trl_cpo_trainers_formulas(loss: str, smoothing: f
     assert ours[0].std() > 0  # the pairs differ: a test that can fail
 
 
+@pytest.mark.parametrize("empty", ["chosen", "rejected"])
+@pytest.mark.parametrize("loss", ["ipo", "simpo"])
+def test_an_answer_without_target_tokens_gives_trls_finite_loss(
+    loss: str, empty: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """IPO and SimPO divide an answer's summed log-prob by its token count; a row with none counts as one, as TRL's
+    DPOTrainer clamps it (``.clamp(min=1)``): the loss and the window's statistics stay finite. Oracles: IPO is
+    DPOTrainer's own loss code on per-token log-probs that sum to ours; SimPO is CPOTrainer.cpo_loss on the per-token
+    means with that clamp (CPOTrainer's own mean divides by zero there)."""
+    from collections import defaultdict
+
+    from trl import DPOTrainer
+    from trl.experimental.cpo import CPOTrainer
+
+    from deepzero.losses import objectives
+
+    pairs, length = 3, 8
+    g = torch.Generator().manual_seed(1)
+    mask = torch.zeros(2 * pairs, length)
+    for row, n in enumerate([3, 5, 2, 4, 6, 1]):
+        mask[row, 1 : 1 + n] = 1  # answer tokens after a 1-token prompt
+    mask[0 if empty == "chosen" else pairs] = 0  # pair 0's chosen (or rejected) answer: no token at all
+    per_token = -torch.rand(2 * pairs, length - 1, generator=g) * 5 * mask[:, 1:]
+    logps, counts = per_token.sum(-1), mask.sum(-1)
+    ref = -torch.rand(pairs, 2, generator=g) * 20
+    monkeypatch.setattr(objectives, "sequence_logps", lambda model, batch: (logps, counts))
+    settings = PreferenceSettings(loss=loss, beta=2.0 if loss == "simpo" else 0.1, reference="precomputed")
+    objective = objectives.Preference(settings)
+    model = torch.nn.Linear(1, 1)  # only its train/eval mode is read: the log-probs are the ones above
+    ours = objective.pair_losses(model, {"input_ids": torch.zeros(2 * pairs, length), "ref_logps": ref})
+    stats = objective.window_stats("train")
+    assert torch.isfinite(ours).all() and all(math.isfinite(v) for v in stats.values()), (ours, stats)
+    if loss == "ipo":
+        trl_self = SimpleNamespace(
+            model=model, accelerator=SimpleNamespace(device="cpu", gather=lambda t: t, gather_for_metrics=lambda t: t),
+            aux_loss_enabled=False, ld_alpha=None, precompute_ref_logps=True, f_divergence_type="reverse_kl",
+            loss_types=["ipo"], loss_weights=[1.0], beta=settings.beta, use_weighting=False,
+            _metrics={"train": defaultdict(list)}, _total_train_tokens=0, _tp_size=1,
+        )  # fmt: skip
+        zeros = torch.zeros_like(per_token)
+        outputs = SimpleNamespace(log_probs=per_token, entropy=zeros, mean_logits=zeros, is_top1=zeros.bool())
+        inputs = {"input_ids": torch.zeros(2 * pairs, length, dtype=torch.long), "attention_mask": torch.ones_like(mask),
+                  "completion_mask": mask, "ref_chosen_logps": ref[:, 0], "ref_rejected_logps": ref[:, 1]}  # fmt: skip
+        theirs = DPOTrainer._compute_loss(trl_self, lambda **kwargs: outputs, inputs, return_outputs=False)
+        torch.testing.assert_close(ours.mean(), theirs, rtol=1e-6, atol=1e-7)
+    else:
+        trl_self = SimpleNamespace(
+            alpha=0.0, beta=settings.beta, loss_type="simpo", simpo_gamma=settings.simpo_gamma, label_smoothing=0.0,
+            accelerator=SimpleNamespace(device=torch.device("cpu")),
+        )  # fmt: skip
+        means = (logps / counts.clamp(min=1)).chunk(2)
+        theirs = CPOTrainer.cpo_loss(trl_self, *means)[0]
+        torch.testing.assert_close(ours, theirs, rtol=1e-6, atol=1e-7)
+        assert torch.isnan(CPOTrainer.cpo_loss(trl_self, *(logps / counts).chunk(2))[0][0])  # without the clamp
+
+
 # --- choosing the loss: flags, the preset's "preference" section, refusals ---------------------------------------------
 
 

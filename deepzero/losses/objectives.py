@@ -226,7 +226,7 @@ class Preference:
         """Each pair's loss (fp32), its rewards and log-probs noted for the window statistics."""
         logps, counts = sequence_logps(model, batch)
         chosen, rejected = logps.chunk(2)
-        n_chosen, n_rejected = counts.chunk(2)
+        n_chosen, n_rejected = counts.clamp(min=1).chunk(2)  # an answer without tokens: TRL's clamp, no 0/0
         reference = None if self.settings.loss in REFERENCE_FREE else self.reference_logps(model, batch)
         losses, chosen_rewards, rejected_rewards = pair_loss(
             self.settings, chosen, rejected, n_chosen, n_rejected, reference
