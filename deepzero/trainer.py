@@ -18,7 +18,7 @@ import torch
 import torch.distributed as dist
 from tqdm.auto import tqdm
 
-from deepzero import checkpoint, report, universal
+from deepzero import checkpoint, quiet, report, universal
 from deepzero.args import parse_args
 from deepzero.data import GlobalBatchSampler, make_eval_loader, make_train_loader
 from deepzero.distributed import all_reduce_max, all_reduce_mean, exit_process
@@ -37,6 +37,7 @@ ROW_TRACE_ENV = "DEEPZERO_ROW_TRACE"
 def main(argv: list[str] | None = None) -> int:
     """Entry point of train.py: one clear line and exit code 2 for bad input, never a deep stack trace."""
     run = None
+    quiet.install()  # torch's and DeepSpeed's messages the user can do nothing about, each by its exact text
     try:
         args = parse_args(argv)
         run = setup(args)

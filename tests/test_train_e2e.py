@@ -50,6 +50,25 @@ def test_seed_preset_trains_on_three_ranks_and_loss_falls(zero2_run: tuple[Path,
     assert first > 5.5 and last < first - 1.0, f"loss did not fall clearly: {first:.3f} -> {last:.3f}"
 
 
+LAUNCHER_WARNINGS = ("Unable to find hostfile, will proceed with training with local resources only.",)
+"""Printed by DeepSpeed's launcher process (runner.py) before train.py starts: outside the run's reach."""
+
+
+def test_the_log_holds_no_warning_the_run_does_not_explain(zero2_run: tuple[Path, str]) -> None:
+    """A newcomer's first log: the only warnings are deepzero's own ``warning: ...`` lines (rank 0, one each; the
+    precision one is the header's ``precision:`` line), none from torch or DeepSpeed that the user can do nothing
+    about (torch's all_gather_into_tensor FutureWarning, the scheduler's "before it has started": deepzero.quiet)."""
+    _, log = zero2_run
+    stray = [
+        line
+        for line in log.splitlines()
+        if "warn" in line.lower() and not line.startswith("warning: ") and not line.endswith(LAUNCHER_WARNINGS)
+    ]
+    assert not stray, "\n".join(stray)
+    own = [line for line in log.splitlines() if line.startswith("warning: ")]
+    assert len(own) == len(set(own)), own  # from rank 0 only
+
+
 def test_every_log_point_reports_the_promised_metrics(zero2_run: tuple[Path, str]) -> None:
     out, _ = zero2_run
     last = records(out)[-1]

@@ -1,0 +1,44 @@
+"""Silence the library messages a user can do nothing about, each by its exact text (nothing else is hidden).
+
+:func:`install` is called once per process at the start of ``train.py`` (``deepzero.trainer.main``). Each entry
+names where the message comes from, so it can be dropped when the library stops saying it:
+
+- torch 2.13 deprecated ``torch.distributed.all_gather_into_tensor`` (a ``FutureWarning``, printed once per rank
+  from ``torch/distributed/c10d_logger.py``). DeepSpeed 0.19.8's ZeRO-1/2 optimizer calls it after every step to
+  gather the updated partitions (``runtime/utils.py: all_gather_into_tensor_dp_groups``).
+- DeepSpeed's ``WarmupLR``/``WarmupDecayLR``/``WarmupCosineLR`` constructors call their own ``get_lr()`` to set the
+  starting lr, which logs ``Attempting to get learning rate from scheduler before it has started`` on every rank
+  (``runtime/lr_schedules.py``). deepzero never asks the scheduler for its lr before a step (it reads the
+  optimizer's); the message comes from inside ``deepspeed.initialize``.
+"""
+
+from __future__ import annotations
+
+import logging
+import warnings
+
+FUTURE_WARNINGS = (r"`torch\.distributed\.all_gather_into_tensor` is deprecated\. ",)
+"""Message regexes (matched at the start) of the FutureWarnings ignored."""
+DEEPSPEED_MESSAGES = frozenset({"Attempting to get learning rate from scheduler before it has started"})
+"""Exact messages dropped from DeepSpeed's logger."""
+DEEPSPEED_LOGGER = "DeepSpeed"
+
+
+class _DropMessages(logging.Filter):
+    """Drops records whose message is exactly one of ``messages``."""
+
+    def __init__(self, messages: frozenset[str]) -> None:
+        super().__init__()
+        self.messages = messages
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        return record.getMessage() not in self.messages
+
+
+def install() -> None:
+    """Install the filters (idempotent: a second call adds nothing)."""
+    for pattern in FUTURE_WARNINGS:
+        warnings.filterwarnings("ignore", message=pattern, category=FutureWarning)  # de-duplicated by warnings
+    logger = logging.getLogger(DEEPSPEED_LOGGER)
+    if not any(isinstance(f, _DropMessages) for f in logger.filters):
+        logger.addFilter(_DropMessages(DEEPSPEED_MESSAGES))
