@@ -285,6 +285,84 @@ def test_chat_without_template_names_the_tokenizer(tmp_path: Path, tok_dir: Path
         prepare([str(chat_jsonl)], tmp_path / "out", tokenizer=str(plain), seq_len=96)
 
 
+# --- prepare: a given val split (--val-input) ---------------------------------------------------------------------
+
+
+def _split_tokens(data: Path, split: str, drop: int | None = None) -> list[int]:
+    """Every token of the split's shards in row order, without the ``drop`` id (chat padding)."""
+    meta = load_meta(data)
+    rows = [np.fromfile(data / s["file"], dtype=meta["dtype"]) for s in meta["shards"][split]]
+    return [t for t in np.concatenate(rows).tolist() if t != drop]
+
+
+@pytest.mark.parametrize("kind", ["text", "chat"])
+def test_val_input_is_the_val_split_and_nothing_else(
+    kind: str, tmp_path: Path, corpus_dir: Path, tok_dir: Path, capsys
+) -> None:
+    """--val-input FILE: val holds exactly FILE's tokens (tokenized and laid out as train's), train exactly --input's."""
+    tok = AutoTokenizer.from_pretrained(tok_dir)
+    if kind == "text":
+        files = sorted(corpus_dir.iterdir())
+        train = tmp_path / "train"
+        train.mkdir()
+        for f in files[1:]:
+            shutil.copy(f, train / f.name)
+        val = tmp_path / "held_out.py"
+        shutil.copy(files[0], val)
+        docs = {"train": [f.read_text() for f in files[1:]], "val": [val.read_text()]}
+        seq_len = 64
+    else:
+        train, val = tmp_path / "train.jsonl", tmp_path / "test.jsonl"
+        docs = {"train": CHATS[:8], "val": CHATS[8:]}
+        for path, chats in ((train, docs["train"]), (val, docs["val"])):
+            path.write_text("".join(json.dumps({"messages": c}) + "\n" for c in chats))
+        seq_len = 96
+    out = tmp_path / "data"
+    argv = ["--input", str(train), "--val-input", str(val), "--tokenizer", str(tok_dir)]
+    argv += ["--seq-len", str(seq_len), "--out", str(out)]
+    assert main(argv) == 0
+    assert f"(val from --val-input {val})" in capsys.readouterr().out
+    meta = load_meta(out)
+    assert (meta["format"], meta["val_inputs"], meta["val_fraction"]) == (kind, [str(val)], None)
+    assert meta["split"].startswith("val = every document of val_inputs")
+    assert meta["n_docs"] == {s: len(d) for s, d in docs.items()}
+    for split, split_docs in docs.items():
+        if kind == "text":
+            ids = [[*tok(d, add_special_tokens=False)["input_ids"], tok.eos_token_id] for d in split_docs]
+        else:
+            ids = [
+                tok(tok.apply_chat_template(c, tokenize=False), add_special_tokens=False)["input_ids"]
+                for c in split_docs
+            ]
+        expected = [t for d in ids for t in d]
+        got = _split_tokens(out, split, drop=tok.pad_token_id if kind == "chat" else None)
+        assert got == expected[: len(got)], split  # text rows drop only the stream's last partial row
+        assert len(expected) - len(got) <= (seq_len if kind == "text" else 0), split
+    assert main(argv) == 0 and "up to date" in capsys.readouterr().out
+    with val.open("a") as fh:  # the held-out file is part of the fingerprint
+        fh.write("\n" if kind == "text" else json.dumps({"messages": CHATS[0]}) + "\n")
+    assert main(argv) == 0 and "up to date" not in capsys.readouterr().out
+
+
+def test_val_input_refusals_are_one_line(
+    tmp_path: Path, corpus_dir: Path, tok_dir: Path, chat_jsonl: Path, capsys
+) -> None:
+    """--val-input with --val-fraction, with a format of its own, or with preference pairs: one line, exit code 2."""
+    out = tmp_path / "out"
+    base = ["--input", str(corpus_dir), "--tokenizer", str(tok_dir), "--seq-len", "64", "--out", str(out)]
+    cases = {
+        "error: --val-input and --val-fraction: cannot be used together": ["--val-input", str(corpus_dir), "--val-fraction", "0.1"],
+        f"error: --val-input {chat_jsonl}:1: holds chat 'messages' while --input holds plain text": ["--val-input", str(chat_jsonl)],
+        f"error: --val-input {tmp_path / 'missing.txt'}: no such file or folder": ["--val-input", str(tmp_path / "missing.txt")],
+        "error: --val-input: is not supported with --format preference": ["--val-input", str(chat_jsonl), "--format", "preference"],
+    }  # fmt: skip
+    for start, extra in cases.items():
+        assert main([*base, *extra]) == 2, extra
+        err = capsys.readouterr().err
+        assert err.startswith(start) and err.count("\n") == 1 and ". Fix: " in err, err
+    assert not out.exists()
+
+
 # --- per-document position_ids ------------------------------------------------------------------------------------
 
 

@@ -6,7 +6,9 @@ Documents stream from the readers (:mod:`deepzero.data.sources`) in numbered bat
 processes (default: every core) that tokenize them; results are taken back in batch order, so the output is the
 same byte for byte whatever the worker count, and only a few batches per worker are ever in memory. A document
 goes to val when a hash of (seed, its content) falls below ``--val-fraction``, so the split needs no corpus size;
-if no val row comes of that (a tiny corpus), the last train documents, enough for one row, go to val instead.
+if no val row comes of that (a tiny corpus), the last train documents, enough for one row, go to val instead. With
+``--val-input`` (a given held-out set) val is made of those inputs' documents only and train of ``--input``'s, with
+the same tokenizer, format and row layout.
 
 Plain text: every document is tokenized, gets what the tokenizer itself puts first (its post-processor's prefix:
 ``<bos>`` for DeepSeek's tokenizer, nothing for ``--tokenizer train``'s) prepended and ``<eos>`` appended, and the
@@ -26,6 +28,7 @@ from __future__ import annotations
 import argparse
 import contextlib
 import hashlib
+import itertools
 import json
 import multiprocessing
 import os
@@ -38,7 +41,7 @@ from collections import deque
 from collections.abc import Iterable, Iterator, Sequence
 from concurrent.futures import Future, ProcessPoolExecutor
 from concurrent.futures.process import BrokenProcessPool
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Any, BinaryIO, NoReturn
 
@@ -67,6 +70,7 @@ BATCH_DOCS = 4096
 IN_FLIGHT_PER_WORKER = 4
 """Batches submitted ahead per worker: enough to keep them busy, few enough to bound memory."""
 DEFAULT_SHARD_MB = 256
+DEFAULT_VAL_FRACTION = 0.02
 TOKENIZER_SAMPLE_MB = 64
 _FLUSH_TOKENS = 1 << 22
 _TOKENIZER_SUFFIXES = frozenset({".json", ".jinja", ".txt", ".model", ".tiktoken"})
@@ -96,7 +100,7 @@ def prepare(
     out: Path | str,
     tokenizer: str = "train",
     seq_len: int = 256,
-    val_fraction: float = 0.02,
+    val_fraction: float | None = None,
     fmt: Format = "auto",
     vocab_size: int = 4096,
     seed: int = 0,
@@ -105,14 +109,21 @@ def prepare(
     shard_mb: float = DEFAULT_SHARD_MB,
     skip_bad: bool = False,
     tokenizer_sample_mb: float = TOKENIZER_SAMPLE_MB,
+    val_inputs: Sequence[str] = (),
 ) -> dict[str, Any]:
-    """Build ``out`` (see module docstring) unless it is already up to date; return its ``meta.json`` contents."""
+    """Build ``out`` (see module docstring) unless it is already up to date; return its ``meta.json`` contents.
+
+    The val split is ``val_inputs``' documents when given, else drawn from ``inputs`` by hash with ``val_fraction``
+    (default ``DEFAULT_VAL_FRACTION``); giving both is an error."""
     out = Path(out)
     workers = workers or len(os.sched_getaffinity(0))
+    val_fraction = _val_fraction(val_fraction, val_inputs, fmt)
     _check_args(seq_len, val_fraction, fmt, workers, shard_mb)
-    settings = {"shard_mb": shard_mb, "skip_bad": skip_bad}
+    settings: dict[str, Any] = {"shard_mb": shard_mb, "skip_bad": skip_bad}
     if tokenizer == "train":
         settings["tokenizer_sample_mb"] = tokenizer_sample_mb
+    if val_inputs:
+        settings["val_inputs"] = inputs_digest(val_inputs, "--val-input")
     fingerprint = _fingerprint(inputs, tokenizer, seq_len, val_fraction, fmt, vocab_size, seed, settings)
     old = _existing_meta(out)
     if old is not None and old.get("fingerprint") == fingerprint and not force and _files_intact(out):
@@ -125,7 +136,7 @@ def prepare(
 
         args = (seq_len, val_fraction, vocab_size, seed, skip_bad, fingerprint)
         return prepare_pairs(inputs, out, loaded, tokenizer, *args)
-    total_bytes = input_bytes(inputs)
+    total_bytes = input_bytes([*inputs, *val_inputs])
     out.parent.mkdir(parents=True, exist_ok=True)
     _remove_stale_temps(out)
     tmp = out.parent / f".{out.name}.tmp-{os.getpid()}"
@@ -141,6 +152,9 @@ def prepare(
         docs = iter_docs(inputs, fmt, bad)
         first = next(docs)
         chat = not isinstance(first.value, str)
+        tasks = _batches(_chain(first, docs), None if val_fraction is not None else "train")
+        if val_inputs:
+            tasks = itertools.chain(tasks, _batches(_held_out(val_inputs, fmt, chat, bad), "val"))
         _check_tokenizer(tok, tokenizer, chat)
         dtype = np.dtype(np.uint16 if len(tok) < 2**16 else np.uint32)
         prefix = doc_prefix(tok)
@@ -148,7 +162,7 @@ def prepare(
         layout = _Layout(tmp, seq_len + 1, dtype, max(1, int(shard_mb * 2**20) // ((seq_len + 1) * dtype.itemsize)))
         pad = tok.pad_token_id if tok.pad_token_id is not None else tok.eos_token_id
         with _Progress(total_bytes) as progress:
-            stats = _write_splits(_chain(first, docs), encoder, workers, layout, chat, pad, progress)
+            stats = _write_splits(tasks, encoder, workers, layout, chat, pad, progress, given_val=bool(val_inputs))
         meta = {
             **meta_header("chat" if chat else "text", seq_len, dtype, tok),
             "doc_prefix_ids": list(prefix),
@@ -162,9 +176,10 @@ def prepare(
             "skipped": {"count": bad.count, "first": bad.listed},
             "tokenizer": tok_ref,
             "inputs": list(inputs),
+            "val_inputs": list(val_inputs),
             "input_bytes": progress.n_bytes,
             "val_fraction": val_fraction,
-            "split": "val when blake2b(key=str(seed), content) as a fraction of 2**64 < val_fraction",
+            "split": SPLIT_GIVEN if val_inputs else SPLIT_HASHED,
             "seed": seed,
             "shard_mb": shard_mb,
             "fingerprint": fingerprint,
@@ -192,6 +207,11 @@ def doc_prefix(tok: PreTrainedTokenizerBase) -> tuple[int, ...]:
     return ()
 
 
+SPLIT_HASHED = "val when blake2b(key=str(seed), content) as a fraction of 2**64 < val_fraction"
+SPLIT_GIVEN = "val = every document of val_inputs (--val-input), train = every document of inputs"
+"""meta.json's ``split``: where the val split came from (with ``val_inputs`` and ``val_fraction`` beside it)."""
+
+
 def split_of(value: str | Chat, seed: int, val_fraction: float) -> str:
     """``"val"`` when the document's hash under ``seed`` falls below ``val_fraction``, else ``"train"``."""
     digest = hashlib.blake2b(_doc_key(value), digest_size=8, key=str(seed).encode()).digest()
@@ -208,10 +228,42 @@ def _chain(first: Doc, rest: Iterator[Doc]) -> Iterator[Doc]:
     yield from rest
 
 
-def _check_args(seq_len: int, val_fraction: float, fmt: str, workers: int, shard_mb: float) -> None:
+def _held_out(val_inputs: Sequence[str], fmt: Format, chat: bool, bad: _BadInput) -> Iterator[Doc]:
+    """The documents of ``--val-input``; they must be of the kind of ``--input``'s (chat or plain text). The first
+    is read at once, so a missing or mismatched input fails before the train inputs are tokenized."""
+    docs = iter_docs(val_inputs, fmt, bad, flag="--val-input")
+    first = next(docs)
+    if isinstance(first.value, str) == chat:
+        kinds = ("plain text", "chat 'messages'")
+        raise UserError(
+            f"--val-input {first.where}",
+            f"holds {kinds[not chat]} while --input holds {kinds[chat]}",
+            "give --val-input documents of the same format as --input",
+        )
+    return _chain(first, docs)
+
+
+def _val_fraction(val_fraction: float | None, val_inputs: Sequence[str], fmt: str) -> float | None:
+    """The hash split's fraction, or None when the val split is ``--val-input`` (then both flags is an error)."""
+    if not val_inputs:
+        return DEFAULT_VAL_FRACTION if val_fraction is None else val_fraction
+    if val_fraction is not None:
+        raise UserError(
+            "--val-input and --val-fraction",
+            "cannot be used together: val is either the --val-input documents or a fraction of --input's drawn by hash",
+            "drop one of them",
+        )
+    if fmt == "preference":
+        raise UserError(
+            "--val-input", "is not supported with --format preference yet", "hold out pairs with --val-fraction"
+        )
+    return None
+
+
+def _check_args(seq_len: int, val_fraction: float | None, fmt: str, workers: int, shard_mb: float) -> None:
     if seq_len < 1:
         raise UserError("--seq-len", f"must be positive, got {seq_len}", "pass e.g. --seq-len 256")
-    if not 0 < val_fraction < 1:
+    if val_fraction is not None and not 0 < val_fraction < 1:
         raise UserError("--val-fraction", f"must be between 0 and 1, got {val_fraction}", "pass e.g. 0.02")
     if fmt not in ("auto", "text", "chat", "preference"):
         raise UserError("--format", f"unknown format '{fmt}'", "use auto, text, chat or preference")
@@ -225,7 +277,7 @@ def _fingerprint(
     inputs: Sequence[str],
     tokenizer: str,
     seq_len: int,
-    val_fraction: float,
+    val_fraction: float | None,
     fmt: str,
     vocab_size: int,
     seed: int,
@@ -320,14 +372,15 @@ def _train_tokenizer(
     inputs: Sequence[str],
     fmt: Format,
     seed: int,
-    val_fraction: float,
+    val_fraction: float | None,
     vocab_size: int,
     sample_bytes: int,
     skip_bad: bool,
     out: Path,
     tmp: Path,
 ) -> tuple[PreTrainedTokenizerBase, str]:
-    """Train on the first ``sample_bytes`` of train documents (message contents for chat) into ``<out>/tokenizer``.
+    """Train on the first ``sample_bytes`` of train documents (message contents for chat) into ``<out>/tokenizer``;
+    with ``val_fraction`` None (a ``--val-input`` run) every document of ``inputs`` is a train document.
 
     A first streaming pass over the inputs, stopped once the sample is read: bounded memory for any corpus. Bad
     input met here stops the run unless ``--skip-bad`` (it is counted in the main pass)."""
@@ -335,7 +388,7 @@ def _train_tokenizer(
     def texts() -> Iterator[str]:
         used = 0
         for doc in iter_docs(inputs, fmt, on_bad=_BadInput(skip_bad)):
-            if split_of(doc.value, seed, val_fraction) == "train":
+            if val_fraction is None or split_of(doc.value, seed, val_fraction) == "train":
                 yield doc_text(doc.value)
                 used += doc.nbytes
                 if used >= sample_bytes:
@@ -442,13 +495,15 @@ class _Encoder:
     name: str
     chat: bool
     seed: int
-    val_fraction: float
+    val_fraction: float | None
     dtype: str
     prefix: tuple[int, ...] = ()
     """Put before every document (see :func:`doc_prefix`)."""
+    to: str | None = None
+    """The split every document goes to (set per batch in a ``--val-input`` run), or None: where its hash puts it."""
 
     def __call__(self, values: list[str | Chat]) -> dict[str, _Encoded]:
-        split = [split_of(v, self.seed, self.val_fraction) for v in values]
+        split = [self.to or split_of(v, self.seed, self.val_fraction) for v in values]
         out = {}
         for name in ("train", "val"):
             part = [v for v, s in zip(values, split, strict=True) if s == name]
@@ -474,11 +529,11 @@ def _init_worker(encoder: _Encoder) -> None:
     _WORKER = encoder
 
 
-def _work(task: tuple[int, list[str | Chat]]) -> tuple[int, dict[str, _Encoded] | tuple[str, str, str]]:
+def _work(task: _Task) -> tuple[int, dict[str, _Encoded] | tuple[str, str, str]]:
     """One batch → its encodings; a UserError comes back as a tuple (it does not survive pickling)."""
-    n_bytes, values = task
+    n_bytes, values, to = task
     try:
-        return n_bytes, _WORKER(values)
+        return n_bytes, replace(_WORKER, to=to)(values)
     except UserError as e:
         return n_bytes, (e.where, e.problem, e.fix)
 
@@ -550,18 +605,23 @@ def _assistant_spans(tok: PreTrainedTokenizerBase, name: str, chat: Chat) -> tup
     return full, spans
 
 
-def _batches(docs: Iterable[Doc]) -> Iterator[tuple[int, list[str | Chat]]]:
-    """Consecutive documents grouped into batches of about ``BATCH_BYTES``: (input bytes, document values)."""
+_Task = tuple[int, list[str | Chat], str | None]
+"""A batch for a worker: its input bytes, its documents' values, and the split they all go to (None: by hash)."""
+
+
+def _batches(docs: Iterable[Doc], to: str | None) -> Iterator[_Task]:
+    """Consecutive documents grouped into batches of about ``BATCH_BYTES``, all going to split ``to`` (None: each
+    where its hash puts it)."""
     values: list[str | Chat] = []
     n_bytes = 0
     for doc in docs:
         values.append(doc.value)
         n_bytes += doc.nbytes
         if n_bytes >= BATCH_BYTES or len(values) >= BATCH_DOCS:
-            yield n_bytes, values
+            yield n_bytes, values, to
             values, n_bytes = [], 0
     if values:
-        yield n_bytes, values
+        yield n_bytes, values, to
 
 
 @contextlib.contextmanager
@@ -591,11 +651,11 @@ def _pool(workers: int, encoder: _Encoder) -> Iterator[ProcessPoolExecutor]:
             os.environ["TOKENIZERS_PARALLELISM"] = before
 
 
-def _encoded(docs: Iterable[Doc], encoder: _Encoder, workers: int) -> Iterator[tuple[int, dict[str, _Encoded]]]:
+def _encoded(tasks: Iterable[_Task], encoder: _Encoder, workers: int) -> Iterator[tuple[int, dict[str, _Encoded]]]:
     """Encodings of every batch, in input order; at most ``IN_FLIGHT_PER_WORKER`` batches per worker pending."""
     with _pool(workers, encoder) as pool:
         pending: deque[Future] = deque()
-        for task in _batches(docs):
+        for task in tasks:
             pending.append(pool.submit(_work, task))
             if len(pending) >= IN_FLIGHT_PER_WORKER * workers:
                 yield _result(pending.popleft())
@@ -764,16 +824,24 @@ class _Holdback:
 
 
 def _write_splits(
-    docs: Iterable[Doc], encoder: _Encoder, workers: int, layout: _Layout, chat: bool, pad: int, progress: _Progress
+    tasks: Iterable[_Task],
+    encoder: _Encoder,
+    workers: int,
+    layout: _Layout,
+    chat: bool,
+    pad: int,
+    progress: _Progress,
+    given_val: bool = False,
 ) -> dict[str, SplitStats]:
-    """Tokenize ``docs`` in the worker pool and write both splits' shards; return what each became."""
+    """Tokenize the batches in the worker pool and write both splits' shards; return what each became. With
+    ``given_val`` (``--val-input``) no train document is moved to val."""
     stats = {s: SplitStats() for s in ("train", "val")}
     rows = {
         s: (_ChatRows(_ShardWriter(layout, s, True), pad) if chat else _TextRows(_ShardWriter(layout, s, False)))
         for s in stats
     }
     held = _Holdback(layout.row_len, chat)
-    for n_bytes, batch in _encoded(docs, encoder, workers):
+    for n_bytes, batch in _encoded(tasks, encoder, workers):
         for doc in batch["val"].docs():
             rows["val"].add(*doc)
         for doc in batch["train"].docs():
@@ -785,7 +853,7 @@ def _write_splits(
     n_docs = stats["train"].n_docs + stats["val"].n_docs
     if n_docs < 2:
         raise UserError("--input", f"only {n_docs} document, cannot split train/val by document", "pass more documents")
-    to = "train" if rows["val"].has_rows() else "val"
+    to = "train" if rows["val"].has_rows() or given_val else "val"
     for doc in held.docs:
         rows[to].add(*doc)
     if to == "val":
@@ -794,16 +862,17 @@ def _write_splits(
     for split in stats:
         rows[split].finish(stats[split])
         stats[split].shards = rows[split].writer.shards
-        _check_rows(stats[split].n_rows, split, layout.row_len)
+        fix = "add documents to --val-input, or lower --seq-len" if given_val and split == "val" else None
+        _check_rows(stats[split].n_rows, split, layout.row_len, fix)
     return stats
 
 
-def _check_rows(n_rows: int, split: str, row_len: int) -> None:
+def _check_rows(n_rows: int, split: str, row_len: int, fix: str | None = None) -> None:
     if n_rows == 0:
         raise UserError(
             f"{split} split",
             f"holds less than one row of {row_len} tokens",
-            "add data, raise --val-fraction (for val), or lower --seq-len",
+            fix or "add data, raise --val-fraction (for val), or lower --seq-len",
         )
 
 
@@ -826,12 +895,14 @@ def _summary(meta: dict[str, Any], out: Path, progress: _Progress, workers: int)
     dropped = "tail tokens" if meta["format"] == "text" else "conversations truncated to a row"
     secs = max(progress.seconds, 1e-9)
     skipped = meta["skipped"]
+    rule = f"hash of seed {meta['seed']} and content < {meta['val_fraction']}"
+    if meta["val_inputs"]:
+        rule = f"val from --val-input {' '.join(meta['val_inputs'])}"
     lines = [
         f"prepare: wrote {out} in {meta['seconds']:.1f} s",
         f"  input     {progress.n_bytes / 1e6:,.1f} MB, {sum(n['n_docs'].values()):,} {meta['format']} documents"
-        f" from {len(meta['inputs'])} input(s); {skipped['count']} bad input(s) skipped",
-        f"  split     train {n['n_docs']['train']:,} / val {n['n_docs']['val']:,} documents"
-        f" (hash of seed {meta['seed']} and content < {meta['val_fraction']})",
+        f" from {len(meta['inputs']) + len(meta['val_inputs'])} input(s); {skipped['count']} bad input(s) skipped",
+        f"  split     train {n['n_docs']['train']:,} / val {n['n_docs']['val']:,} documents ({rule})",
         f"  tokens    train {n['n_tokens']['train']:,} / val {n['n_tokens']['val']:,}"
         f" ({meta['n_target_tokens']['train']:,} train targets)",
         f"  rows      train {n['n_rows']['train']:,} / val {n['n_rows']['val']:,} of {meta['seq_len'] + 1}"
@@ -857,7 +928,18 @@ def _parser() -> argparse.ArgumentParser:
     p.add_argument("--tokenizer", default="train", help="saved tokenizer folder, hub id, or 'train'")
     p.add_argument("--seq-len", type=int, default=256, help="tokens per training sample (rows hold seq_len + 1)")
     p.add_argument("--out", default="artifacts/data/stdlib", help="output folder")
-    p.add_argument("--val-fraction", type=float, default=0.02, help="fraction of documents held out (by hash)")
+    p.add_argument(
+        "--val-fraction",
+        type=float,
+        default=None,
+        help=f"fraction of documents held out (by hash; default {DEFAULT_VAL_FRACTION})",
+    )
+    p.add_argument(
+        "--val-input",
+        nargs="+",
+        default=(),
+        help="the val split's own inputs (same kinds as --input), instead of --val-fraction",
+    )
     p.add_argument(
         "--format",
         default="auto",
@@ -897,6 +979,7 @@ def main(argv: Sequence[str] | None = None) -> int:
             shard_mb=args.shard_mb,
             skip_bad=args.skip_bad,
             tokenizer_sample_mb=args.tokenizer_sample_mb,
+            val_inputs=args.val_input,
         )
     except UserError as e:
         print(f"error: {e}", file=sys.stderr)

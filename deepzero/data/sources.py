@@ -54,32 +54,33 @@ def raise_bad(err: UserError) -> None:
     raise err
 
 
-def input_files(spec: str) -> list[Path]:
-    """The local files behind one input spec (empty for ``hf:``); raises if a path is missing or holds nothing."""
+def input_files(spec: str, flag: str = "--input") -> list[Path]:
+    """The local files behind one input spec (empty for ``hf:``); raises if a path is missing or holds nothing
+    (the error names ``flag``, the option that gave the spec)."""
     if spec == "stdlib":
         return stdlib_corpus()
     if spec.startswith("hf:"):
         return []
     path = Path(spec)
     if not path.exists():
-        raise UserError(f"--input {spec}", "no such file or folder", _FIX_SPEC)
+        raise UserError(f"{flag} {spec}", "no such file or folder", _FIX_SPEC)
     if path.is_dir():
         files = sorted(f for f in path.rglob("*") if f.is_file() and f.suffix in TEXT_SUFFIXES)
         if not files:
-            raise UserError(f"--input {spec}", f"folder holds no {'/'.join(TEXT_SUFFIXES)} files", _FIX_SPEC)
+            raise UserError(f"{flag} {spec}", f"folder holds no {'/'.join(TEXT_SUFFIXES)} files", _FIX_SPEC)
         return files
     if path.suffix not in (*TEXT_SUFFIXES, ".jsonl", ".parquet"):
-        raise UserError(f"--input {spec}", f"unsupported file type '{path.suffix}'", _FIX_SPEC)
+        raise UserError(f"{flag} {spec}", f"unsupported file type '{path.suffix}'", _FIX_SPEC)
     return [path]
 
 
-def inputs_digest(specs: Sequence[str]) -> str:
+def inputs_digest(specs: Sequence[str], flag: str = "--input") -> str:
     """Hash of what the inputs are right now (specs, then each file's path, size, mtime): the part of the
     fingerprint that changes with the data. Streams over the files, so it stays small for millions of them."""
     digest = hashlib.sha256()
     for spec in specs:
         digest.update(spec.encode() + b"\0")
-        for f in input_files(spec):
+        for f in input_files(spec, flag):
             st = f.stat()
             digest.update(f"{f.resolve()}\0{st.st_size}\0{st.st_mtime_ns}\n".encode())
     return digest.hexdigest()
@@ -97,13 +98,16 @@ def doc_text(value: str | Chat) -> str:
     return value if isinstance(value, str) else "\n".join(m["content"] for m in value)
 
 
-def iter_docs(specs: Sequence[str], fmt: Format = "auto", on_bad: OnBad = raise_bad) -> Iterator[Doc]:
+def iter_docs(
+    specs: Sequence[str], fmt: Format = "auto", on_bad: OnBad = raise_bad, flag: str = "--input"
+) -> Iterator[Doc]:
     """Every non-empty document of the inputs, in order. ``auto`` is decided by the first document (chat when it
-    carries ``messages``); a later record of the other kind is bad input. Raises if there is no document at all."""
+    carries ``messages``); a later record of the other kind is bad input. Raises if there is no document at all.
+    Errors about the inputs as a whole name ``flag`` (``--input``, or prepare's ``--val-input``)."""
     if not specs:
-        raise UserError("--input", "no inputs given", _FIX_SPEC)
+        raise UserError(flag, "no inputs given", _FIX_SPEC)
     for spec in specs:  # missing paths fail before any reading
-        input_files(spec)
+        input_files(spec, flag)
     kind: type | None = None
     for spec in specs:
         for doc in _read_spec(spec, fmt, on_bad):
@@ -123,7 +127,7 @@ def iter_docs(specs: Sequence[str], fmt: Format = "auto", on_bad: OnBad = raise_
                 continue
             yield doc
     if kind is None:
-        raise UserError(f"--input {' '.join(specs)}", "inputs hold no non-empty documents", _FIX_SPEC)
+        raise UserError(f"{flag} {' '.join(specs)}", "inputs hold no non-empty documents", _FIX_SPEC)
 
 
 def read_corpus(specs: Sequence[str], fmt: Format = "auto") -> Corpus:
