@@ -347,20 +347,40 @@ def test_val_input_is_the_val_split_and_nothing_else(
 def test_val_input_refusals_are_one_line(
     tmp_path: Path, corpus_dir: Path, tok_dir: Path, chat_jsonl: Path, capsys
 ) -> None:
-    """--val-input with --val-fraction, with a format of its own, or with preference pairs: one line, exit code 2."""
+    """--val-input with --val-fraction, with a format of its own, or missing: one line, exit code 2."""
     out = tmp_path / "out"
     base = ["--input", str(corpus_dir), "--tokenizer", str(tok_dir), "--seq-len", "64", "--out", str(out)]
     cases = {
         "error: --val-input and --val-fraction: cannot be used together": ["--val-input", str(corpus_dir), "--val-fraction", "0.1"],
         f"error: --val-input {chat_jsonl}:1: holds chat 'messages' while --input holds plain text": ["--val-input", str(chat_jsonl)],
         f"error: --val-input {tmp_path / 'missing.txt'}: no such file or folder": ["--val-input", str(tmp_path / "missing.txt")],
-        "error: --val-input: is not supported with --format preference": ["--val-input", str(chat_jsonl), "--format", "preference"],
     }  # fmt: skip
     for start, extra in cases.items():
         assert main([*base, *extra]) == 2, extra
         err = capsys.readouterr().err
         assert err.startswith(start) and err.count("\n") == 1 and ". Fix: " in err, err
     assert not out.exists()
+
+
+def test_val_input_holds_the_given_preference_pairs(tmp_path: Path, tok_dir: Path) -> None:
+    from deepzero.data.preference import PairEncoder, parse_record
+
+    records = [{"prompt": f"Say {i}.", "chosen": f"{i}.", "rejected": f"No {i}, {i + 1}."} for i in range(10)]
+    train, val = tmp_path / "train.jsonl", tmp_path / "test.jsonl"
+    train.write_text("".join(json.dumps(r) + "\n" for r in records[:7]))
+    val.write_text("".join(json.dumps(r) + "\n" for r in records[7:]))
+    out = tmp_path / "data"
+    argv = ["--format", "preference", "--input", str(train), "--val-input", str(val), "--tokenizer", str(tok_dir)]
+    assert main([*argv, "--seq-len", "48", "--out", str(out)]) == 0
+    meta = load_meta(out)
+    assert (
+        meta["n_pairs"] == {"train": 7, "val": 3} and meta["val_inputs"] == [str(val)] and meta["val_fraction"] is None
+    )
+    tok = AutoTokenizer.from_pretrained(tok_dir)
+    encoder = PairEncoder(tok, str(tok_dir), doc_prefix(tok))
+    for split, recs in (("train", records[:7]), ("val", records[7:])):
+        expected = [t for r in recs for ids, _ in encoder.encode(parse_record(r, "")) for t in ids.tolist()]
+        assert _split_tokens(out, split, drop=tok.pad_token_id) == expected, split
 
 
 # --- per-document position_ids ------------------------------------------------------------------------------------

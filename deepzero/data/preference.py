@@ -182,8 +182,10 @@ def prepare_pairs(
     seed: int,
     skip_bad: bool,
     fingerprint: str,
+    val_inputs: Sequence[str] = (),
 ) -> dict[str, Any]:
-    """Write ``out`` (rows in pairs, see the module docstring) and return its meta.json contents."""
+    """Write ``out`` (rows in pairs, see the module docstring) and return its meta.json contents. With ``val_inputs``
+    (``--val-input``) val is their pairs and train every pair of ``inputs``; else a pair's hash decides."""
     from deepzero.data import prepare as p
 
     start = time.perf_counter()
@@ -194,13 +196,15 @@ def prepare_pairs(
     shutil.rmtree(tmp, ignore_errors=True)
     tmp.mkdir()
     try:
-        pairs = list(read_pairs(inputs, bad))
+        given = "train" if val_inputs else None
+        pairs = [(pair, given) for pair in read_pairs(inputs, bad)]
+        pairs += [(pair, "val") for pair in read_pairs(val_inputs, bad)]
         if len(pairs) < 2:
             raise UserError(
                 f"--input {' '.join(inputs)}", f"holds {len(pairs)} usable pair(s)", "pass at least two pairs"
             )
         if tok is None:
-            texts = (pair.text() for pair in pairs if p.split_of(pair.key(), seed, val_fraction) == "train")
+            texts = (pair.text() for pair, to in pairs if (to or p.split_of(pair.key(), seed, val_fraction)) == "train")
             tok = train_tokenizer_from_texts(texts, vocab_size, tmp / "tokenizer")
             tok_ref = str(out.resolve() / "tokenizer")
         else:
@@ -212,7 +216,7 @@ def prepare_pairs(
         rows: dict[str, list[tuple[np.ndarray, np.ndarray]]] = {"train": [], "val": []}
         tokens = {"train": 0, "val": 0}
         targets = {"train": 0, "val": 0}
-        for pair in pairs:
+        for pair, to in pairs:
             try:
                 encoded = encoder.encode(pair)
                 longest = max(len(ids) for ids, _ in encoded)
@@ -227,11 +231,13 @@ def prepare_pairs(
                     raise
                 bad(err)
                 continue
-            split = p.split_of(pair.key(), seed, val_fraction)
+            split = to or p.split_of(pair.key(), seed, val_fraction)
             rows[split].extend(encoded)
             tokens[split] += sum(len(ids) for ids, _ in encoded)
             targets[split] += sum(int((mask & MASK_TARGET).sum()) for _, mask in encoded)
-        if not rows["val"] and len(rows["train"]) >= 4:  # a tiny input: its last train pair becomes val
+        if (
+            not rows["val"] and len(rows["train"]) >= 4 and not val_inputs
+        ):  # a tiny input: its last train pair becomes val
             rows["val"] = rows["train"][-2:]
             del rows["train"][-2:]
         dtype = np.dtype(np.uint16 if len(tok) < 2**16 else np.uint32)
@@ -261,6 +267,7 @@ def prepare_pairs(
             "skipped": {"count": bad.count, "first": bad.listed},
             "tokenizer": tok_ref,
             "inputs": list(inputs),
+            "val_inputs": list(val_inputs),
             "val_fraction": val_fraction,
             "seed": seed,
             "fingerprint": fingerprint,

@@ -117,7 +117,7 @@ def prepare(
     (default ``DEFAULT_VAL_FRACTION``); giving both is an error."""
     out = Path(out)
     workers = workers or len(os.sched_getaffinity(0))
-    val_fraction = _val_fraction(val_fraction, val_inputs, fmt)
+    val_fraction = _val_fraction(val_fraction, val_inputs)
     _check_args(seq_len, val_fraction, fmt, workers, shard_mb)
     settings: dict[str, Any] = {"shard_mb": shard_mb, "skip_bad": skip_bad}
     if tokenizer == "train":
@@ -135,7 +135,7 @@ def prepare(
         from deepzero.data.preference import prepare_pairs
 
         args = (seq_len, val_fraction, vocab_size, seed, skip_bad, fingerprint)
-        return prepare_pairs(inputs, out, loaded, tokenizer, *args)
+        return prepare_pairs(inputs, out, loaded, tokenizer, *args, val_inputs=val_inputs)
     total_bytes = input_bytes([*inputs, *val_inputs])
     out.parent.mkdir(parents=True, exist_ok=True)
     _remove_stale_temps(out)
@@ -243,7 +243,7 @@ def _held_out(val_inputs: Sequence[str], fmt: Format, chat: bool, bad: _BadInput
     return _chain(first, docs)
 
 
-def _val_fraction(val_fraction: float | None, val_inputs: Sequence[str], fmt: str) -> float | None:
+def _val_fraction(val_fraction: float | None, val_inputs: Sequence[str]) -> float | None:
     """The hash split's fraction, or None when the val split is ``--val-input`` (then both flags is an error)."""
     if not val_inputs:
         return DEFAULT_VAL_FRACTION if val_fraction is None else val_fraction
@@ -252,10 +252,6 @@ def _val_fraction(val_fraction: float | None, val_inputs: Sequence[str], fmt: st
             "--val-input and --val-fraction",
             "cannot be used together: val is either the --val-input documents or a fraction of --input's drawn by hash",
             "drop one of them",
-        )
-    if fmt == "preference":
-        raise UserError(
-            "--val-input", "is not supported with --format preference yet", "hold out pairs with --val-fraction"
         )
     return None
 
