@@ -46,7 +46,7 @@ from torch import nn
 from deepzero.data import IGNORE_INDEX
 from deepzero.errors import UserError
 from deepzero.flops import routed_experts
-from deepzero.sequence_parallel import local_part
+from deepzero.sequence_parallel import local_mask
 
 MODES = ("auto", "bias", "aux", "both", "off")
 DEFAULT_BIAS_RATE = 0.001
@@ -325,7 +325,10 @@ class Balancer:
         """The training micro-batches, unchanged; each one's :func:`real_tokens` is noted as the engine draws it."""
         try:
             for batch in batches:
-                self.step_tokens.append(real_tokens(batch, pad_id))
+                real = real_tokens(batch, pad_id)
+                if real is None and self.sequence is not None:  # its padding (sequence_parallel.shard) is not real
+                    real = torch.ones_like(batch["input_ids"], dtype=torch.bool)
+                self.step_tokens.append(real)
                 yield batch
         finally:
             close = getattr(batches, "close", None)
@@ -342,8 +345,8 @@ class Balancer:
         if k >= len(self.step_tokens) or self.step_tokens[k] is None:
             return None
         real = self.step_tokens[k]
-        if self.sequence is not None:  # the router sees this rank's part of every row
-            real = local_part(real, self.sequence.rank, self.sequence.size)
+        if self.sequence is not None:  # the router sees this rank's part of every (padded) row
+            real = local_mask(real, self.sequence.rank, self.sequence.size)
         real = real.reshape(-1)
         if real.numel() != tokens:
             raise RuntimeError(f"router {index}: call {k} routes {tokens} tokens, micro-batch {k} has {real.numel()}")

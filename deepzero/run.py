@@ -135,7 +135,6 @@ def plan_run(args: TrainArgs, world: int) -> RunPlan:
         warn(risk)
     lr_source = cfg.lr_source
     seq_len = int(meta["seq_len"])
-    sp.check_divisible(seq_len, sequence, args.data)
     if seq_len > config.max_position_embeddings:
         raise UserError(
             f"{args.data}/meta.json",

@@ -33,6 +33,7 @@ import torch.distributed as dist
 from torch import nn
 from torch.utils.checkpoint import checkpoint
 
+from deepzero.data import IGNORE_INDEX
 from deepzero.errors import UserError
 
 METHOD = "all-gather context parallelism"
@@ -42,6 +43,8 @@ ATTENTION = "deepzero_sequence_parallel"
 """The name of the attention function in Transformers' ``AttentionInterface`` while a model trains under SP."""
 _GROUP: Any = None
 """The process group ``sequence_attention`` gathers over (one sequence group per process)."""
+_CALLS = 0
+"""``sequence_attention`` calls since :func:`install` (:func:`check_attention_used` reads it once)."""
 
 
 @dataclass(frozen=True)
@@ -81,8 +84,9 @@ class SequenceGroups:
 
 def install(model: nn.Module, groups: SequenceGroups) -> nn.Module:
     """Make ``model``'s attention gather keys and values over ``groups``; returns it. The attention implementation
-    it had is kept for forwards over whole rows (:func:`whole_rows`)."""
-    global _GROUP
+    it had is kept for forwards over whole rows (:func:`whole_rows`). Its first forward checks that the attention
+    really went through :func:`sequence_attention` (:func:`check_attention_used`)."""
+    global _GROUP, _CALLS
     from transformers import AttentionInterface
 
     config = model.config
@@ -92,11 +96,47 @@ def install(model: nn.Module, groups: SequenceGroups) -> nn.Module:
             f"{config.model_type} with sliding-window layers is not supported under sequence parallelism",
             "set use_sliding_window false in the model config or drop sequence parallelism",
         )
+    if kind := position_dependent_rope(config):
+        raise UserError(
+            "sequence_parallel_size",
+            f"{config.model_type}'s rope_type {kind!r} scales its frequencies by the longest position a forward sees,"
+            " which differs between the ranks' pieces of a row",
+            "drop sequence parallelism, or set rope_scaling to a static type (linear, yarn, llama3) in the model config",
+        )
     AttentionInterface.register(ATTENTION, sequence_attention)
-    _GROUP = groups.group
+    _GROUP, _CALLS = groups.group, 0
     model._whole_row_attention = config._attn_implementation
     config._attn_implementation = ATTENTION
+    model._sequence_check = model.register_forward_hook(check_attention_used)
     return model
+
+
+POSITION_DEPENDENT_ROPE = ("dynamic", "longrope")
+"""RoPE types whose frequencies depend on the largest position in the forward (Transformers' dynamic update)."""
+
+
+def position_dependent_rope(config: Any) -> str | None:
+    """The model's RoPE type when it is one of :data:`POSITION_DEPENDENT_ROPE` (None otherwise)."""
+    rope = getattr(config, "rope_parameters", None) or getattr(config, "rope_scaling", None) or {}
+    per_layer = rope.values() if rope and all(isinstance(v, dict) for v in rope.values()) else [rope]
+    kinds = {r.get("rope_type") or r.get("type") for r in per_layer if isinstance(r, dict)}
+    return next((k for k in POSITION_DEPENDENT_ROPE if k in kinds), None)
+
+
+def check_attention_used(model: nn.Module, args: Any, output: Any) -> None:
+    """Forward hook: after the first forward under sequence parallelism, stop with one line when no layer called
+    :func:`sequence_attention` (a model whose attention classes ignore Transformers' attention interface, e.g.
+    remote code, would attend only within each rank's pieces); then removes itself."""
+    if model.config._attn_implementation != ATTENTION:  # a whole-row forward (the export's probe)
+        return
+    if _CALLS == 0:
+        raise UserError(
+            "sequence_parallel_size",
+            f"{model.config.model_type}'s attention did not call Transformers' attention interface (its own attention"
+            " classes, e.g. remote code): each rank would attend only within its own pieces of every row",
+            "drop sequence parallelism for this model",
+        )
+    model._sequence_check.remove()
 
 
 @contextlib.contextmanager
@@ -110,17 +150,29 @@ def whole_rows(model: nn.Module) -> Iterator[None]:
         config._attn_implementation = saved
 
 
-def check_divisible(seq_len: int, size: int, data: Any) -> None:
-    """One line at start when rows cannot be cut into ``2 × size`` equal pieces (:func:`pieces`)."""
+def padded_length(seq: int, size: int) -> int:
+    """The row length ``size`` ranks train on: ``seq`` rounded up to a multiple of ``2 × size`` (:func:`pieces`),
+    so any prepared length trains under any group size. The padding is masked: it attends only to itself (each
+    padding token is its own document), has no target and is left out of the routers' loads."""
     parts = 2 * size
-    if size > 1 and seq_len % parts:
-        lower, upper = seq_len - seq_len % parts, seq_len - seq_len % parts + parts
-        raise UserError(
-            f"{data}/meta.json",
-            f"seq_len {seq_len} is not divisible by 2 × sequence_parallel_size = {parts} (each rank keeps two"
-            " equal pieces of every row)",
-            f"re-run data/prepare.py with --seq-len {lower or upper} or {upper}",
-        )
+    return -(-seq // parts) * parts if size > 1 else seq
+
+
+PAD_VALUES = {"labels": IGNORE_INDEX, "shift_labels": IGNORE_INDEX}
+"""What a row is padded with, per key (others: 0; ``position_ids`` 0 makes every padding token its own document)."""
+
+
+def pad_rows(x: torch.Tensor, length: int, value: int | bool) -> torch.Tensor:
+    """``x`` ``[rows, seq, ...]`` padded at the end of dim 1 to ``length`` with ``value`` (itself when no padding)."""
+    extra = length - x.shape[1]
+    if extra == 0:
+        return x
+    return torch.cat([x, x.new_full((x.shape[0], extra, *x.shape[2:]), value)], dim=1)
+
+
+def local_mask(real: torch.Tensor, rank: int, size: int) -> torch.Tensor:
+    """``rank``'s part of a whole rows' real-token mask ``[rows, seq]``, the padding :func:`shard` adds False."""
+    return local_part(pad_rows(real, padded_length(real.shape[1], size), False), rank, size)
 
 
 def pieces(seq: int, rank: int, size: int) -> tuple[tuple[int, int], tuple[int, int]]:
@@ -153,18 +205,19 @@ def document_ids(position_ids: torch.Tensor) -> torch.Tensor:
 
 
 def shard(batch: dict[str, torch.Tensor], rank: int, size: int) -> dict[str, torch.Tensor]:
-    """``rank``'s two pieces (:func:`pieces`) of every ``[batch, seq]`` tensor, ``position_ids`` always (the
-    whole rows' own or ``arange``): the attention reads the rows' documents from them (:class:`RowLayout`). A
-    padding ``attention_mask`` is dropped: the loss masks padding, and each padding token is its own document."""
+    """``rank``'s two pieces (:func:`pieces`) of every ``[batch, seq]`` tensor, the rows first padded to
+    :func:`padded_length`, ``position_ids`` always (the whole rows' own or ``arange``): the attention reads the rows'
+    documents from them (:class:`RowLayout`). A padding ``attention_mask`` is dropped: the loss masks padding, and
+    each padding token is its own document."""
     ids = batch["input_ids"]
     rows, seq = ids.shape
+    length = padded_length(seq, size)
     positions = batch.get("position_ids")
     if positions is None:
         positions = torch.arange(seq, device=ids.device).expand(rows, -1)
-    out = {k: local_part(v, rank, size) for k, v in batch.items() if v.dim() == 2 and v.shape[1] == seq}
-    out.pop("attention_mask", None)
-    out["position_ids"] = local_part(positions, rank, size)
-    return out
+    whole = {k: v for k, v in batch.items() if v.dim() == 2 and v.shape[1] == seq and k != "attention_mask"}
+    whole["position_ids"] = positions
+    return {k: local_part(pad_rows(v, length, PAD_VALUES.get(k, 0)), rank, size) for k, v in whole.items()}
 
 
 MASK_ELEMENTS = 2**25
@@ -287,8 +340,10 @@ def sequence_attention(
     values (any kv-head count, key and value dims may differ: MLA), chunk by chunk of queries. Each chunk's mask (and
     GQA's repeated keys) is rebuilt in backward (checkpointed), so a layer keeps only its queries, the gathered keys
     and values and its output: no [S/N × S] tensor, at the price of one more attention forward per layer."""
+    global _CALLS
     if position_ids is None:
         raise RuntimeError("sequence-parallel attention needs the slice's position_ids (sequence_parallel.shard)")
+    _CALLS += 1
     key, value = gather_sequence(key, _GROUP), gather_sequence(value, _GROUP)
     layout = row_layout(position_ids, _GROUP)
     outputs = []

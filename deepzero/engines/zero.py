@@ -12,6 +12,7 @@ from __future__ import annotations
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from pathlib import Path
+from types import SimpleNamespace
 from typing import Any
 
 import deepspeed
@@ -43,7 +44,7 @@ class ZeroEngine(DeepSpeedBacked):
         keep_alive: object | None = None,
         partitioned_at_load: bool = False,
         sequence: sp.SequenceGroups | None = None,
-        stage: int = 0,
+        gradient_factor: float = 1.0,
         objective: Objective | None = None,
     ) -> None:
         self.engine = engine
@@ -54,16 +55,17 @@ class ZeroEngine(DeepSpeedBacked):
         """Sequence parallelism: this rank's group and slice (None: whole rows on every rank)."""
         self.dp_rank = sequence.dp_rank if sequence else dist.get_rank()
         self.dp_size = sequence.dp_size if sequence else dist.get_world_size()
-        self.gradient_factor = float(sequence.size) if sequence is not None and stage == 3 else 1.0
-        """What the backward loss is multiplied by: ZeRO-3's reduce-scatter (``__avg_scatter_grads``) averages the
-        gradients over every rank and ignores ``sequence_parallel_size`` (ZeRO-2 and ZeRO-3's all-reduce path divide
-        by world / N), so under sequence parallelism its gradients come out N times too small."""
+        self.gradient_factor = gradient_factor
+        """What the backward loss is multiplied by so that the slices' gradients are summed over the sequence group
+        and averaged over data parallel (:func:`stage3_gradient_factor`; 1 without ZeRO-3's reduce-scatter)."""
         self.zero_ranks = dist.get_world_size()
         """Ranks ZeRO partitions over (its checkpoint's file count): the whole world, sequence groups included."""
         self._exporter = exporter
         self._keep_alive = keep_alive  # ZeRO-3: HfDeepSpeedConfig must live as long as the engine
         self.partitioned_at_load = partitioned_at_load
         """ZeRO-3 split the parameters while the model was built: no rank ever held the whole model."""
+        self.seq_len = 0
+        """The data's row length (0: unknown), for the header's sequence-parallel padding."""
 
     @classmethod
     def build(
@@ -93,16 +95,20 @@ class ZeroEngine(DeepSpeedBacked):
         if sequence is not None:
             from deepspeed.runtime.sequence_parallel import parallel_state_sp as mpu
         engine, *_ = deepspeed.initialize(model=model, model_parameters=params, config=ds_config, mpu=mpu)
+        factor = stage3_gradient_factor(engine.optimizer, params[0], sequence.size) if sequence and stage == 3 else 1.0
         exporter = export_lora_hf if lora is not None else export_hf
-        return cls(engine, model, exporter, keep_alive, partitioned, sequence, stage, build_objective(preference))
+        return cls(engine, model, exporter, keep_alive, partitioned, sequence, factor, build_objective(preference))
 
     def describe(self) -> str:
         where = "  partitioned at load" if self.partitioned_at_load else ""
         if self.sequence is None:
             return where
+        size = self.sequence.size
+        padded = sp.padded_length(self.seq_len, size) if self.seq_len else 0
+        padding = f", rows of {self.seq_len} padded to {padded}" if padded > self.seq_len else ""
         return (
-            f"{where}  sequence parallel {self.sequence.size} × data-parallel {self.dp_size}"
-            f" (each sequence in {2 * self.sequence.size} pieces, 2 per rank, keys/values all-gathered)"
+            f"{where}  sequence parallel {size} × data-parallel {self.dp_size}"
+            f" (each sequence in {2 * size} pieces, 2 per rank, keys/values all-gathered{padding})"
         )
 
     def train_step(self, batches: Iterator[Batch]) -> torch.Tensor:
@@ -134,6 +140,38 @@ class ZeroEngine(DeepSpeedBacked):
     @torch.no_grad()
     def weights_finite(self) -> bool:
         return all(bool(torch.isfinite(local_values(p)).all()) for p in self.engine.module.parameters())
+
+
+AVG_SCATTER = "_DeepSpeedZeroOptimizer_Stage3__avg_scatter_grads"
+"""ZeRO-3's reduce-scatter of gradients (``__avg_scatter_grads``), which :func:`stage3_gradient_factor` probes."""
+
+
+def stage3_gradient_factor(optimizer: Any, param: Any, size: int) -> float:
+    """What ZeRO-3's backward loss must be multiplied by under sequence parallelism over ``size`` ranks, measured
+    once at start (every rank calls it): a probe gradient of ones through the optimizer's own reduce-scatter. The
+    slices' gradients must be summed over the sequence group and averaged over data parallel, which makes the probe
+    ``size``. DeepSpeed 0.19.8 averages over every rank, ignoring ``sequence_parallel_size`` (the probe is 1: the
+    factor is ``size``); a release that honours it gives ``size`` and the factor 1. Anything else is refused."""
+    fix = "train with ZeRO-2 (ds_configs/zero2.json) under sequence parallelism, or pin deepspeed==0.19.8"
+    reduce = getattr(optimizer, AVG_SCATTER, None)
+    if reduce is None:
+        raise UserError("zero_optimization.stage 3", "this DeepSpeed's ZeRO-3 gradient reduction cannot be probed", fix)
+    group = getattr(param, "ds_process_group", None)
+    ranks = dist.get_world_size(group)
+    probe = SimpleNamespace(grad=torch.ones(ranks * 4, dtype=torch.float32, device=param.device))
+    if group is not None:
+        probe.ds_process_group = group
+    parts = reduce([probe], torch.float32)
+    measured = torch.cat([p.float().reshape(-1) for p in parts])
+    for candidate in (1.0, float(size)):
+        if torch.allclose(measured, torch.full_like(measured, candidate), rtol=1e-4):
+            return size / candidate
+    raise UserError(
+        "zero_optimization.stage 3",
+        f"a probe gradient of ones came out of ZeRO-3's reduce-scatter as {measured.mean().item():.4g} on"
+        f" {ranks} ranks with sequence groups of {size}: neither the average (1) nor the sequence sum ({size})",
+        fix,
+    )
 
 
 def local_values(param: torch.Tensor) -> torch.Tensor:
@@ -171,7 +209,8 @@ class ZeroSettings:
         return None
 
     def build(self, build_model: ModelFactory, ds_config: dict[str, Any], seq_len: int) -> ZeroEngine:
-        sp.check_divisible(seq_len, self.sequence_parallel, "the data")
-        return ZeroEngine.build(
+        engine = ZeroEngine.build(
             build_model, ds_config, self.gradient_checkpointing, self.lora, self.sequence_parallel, self.preference
         )
+        engine.seq_len = seq_len
+        return engine
