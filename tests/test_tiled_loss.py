@@ -182,3 +182,49 @@ def test_tiled_row_logps_and_gradients_equal_the_models_own_logits(family: str) 
         assert torch.equal(ref_counts, got_counts) and float(ref.abs().min()) > 1
         torch.testing.assert_close(got, ref, rtol=REL, atol=1e-6)
         assert_same((0.0, ref_grads), (0.0, got_grads))
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+def test_16bit_backward_holds_no_vocab_by_hidden_temporary(dtype: torch.dtype) -> None:
+    """In bf16/fp16 the weight gradient is accumulated in fp32 vocabulary block by block: no op of the backward
+    outputs more elements than one tile's [tile × vocab] logits, except the fp32 accumulator and the result (before,
+    each tile made a 16-bit [V × H] product and its fp32 copy); and the gradient equals one whole-vocabulary
+    product per tile summed in fp32."""
+    from torch.utils._python_dispatch import TorchDispatchMode
+
+    from deepzero.losses.tiled import _TiledCrossEntropy
+
+    vocab, hidden, rows, tile = 1000, 16, 12, 4
+    gen = torch.Generator().manual_seed(0)
+    x = torch.randn(rows, hidden, generator=gen).to(dtype).requires_grad_()
+    w = torch.randn(vocab, hidden, generator=gen).to(dtype).mul(0.1).requires_grad_()
+    targets = torch.randint(0, vocab, (rows,), generator=gen)
+
+    class Largest(TorchDispatchMode):
+        def __init__(self) -> None:
+            super().__init__()
+            self.sizes: list[tuple[str, int]] = []
+
+        def __torch_dispatch__(self, func: Any, types: Any, args: Any = (), kwargs: Any = None) -> Any:
+            out = func(*args, **(kwargs or {}))
+            for t in out if isinstance(out, (tuple, list)) else [out]:
+                if isinstance(t, torch.Tensor) and not func.is_view:  # views allocate nothing
+                    self.sizes.append((str(func), t.numel()))
+            return out
+
+    losses = _TiledCrossEntropy.apply(x, w, targets, tile)
+    with Largest() as seen:
+        losses.sum().backward()
+    whole = [op for op, n in seen.sizes if n >= vocab * hidden]
+    assert whole == ["aten.zeros.default", "aten._to_copy.default"], whole  # the fp32 accumulator, its cast
+    assert max(n for op, n in seen.sizes if n < vocab * hidden) <= tile * vocab
+    ref = torch.zeros(vocab, hidden)
+    for first in range(0, rows, tile):
+        logits = (x[first : first + tile] @ w.t()).float()
+        d = torch.softmax(logits, -1)
+        d[torch.arange(d.shape[0]), targets[first : first + tile]] -= 1
+        ref += (d.to(dtype).t() @ x[first : first + tile]).float()
+    assert torch.allclose(w.grad.float(), ref.to(dtype).float(), rtol=1e-2, atol=1e-3)
+    from deepzero.losses.tiled import vocab_block
+
+    assert vocab_block(tile, vocab, hidden) == 250  # 250 × 16 = 4 × 1000: a block holds what a tile's logits hold

@@ -98,10 +98,20 @@ class _TiledCrossEntropy(torch.autograd.Function):
                 grad_hidden[rows] = dlogits @ weight
             if grad_weight.dtype == dlogits.dtype:
                 grad_weight.addmm_(dlogits.t(), hidden[rows])  # in place: no [V × H] temporary per tile
-            else:
-                grad_weight += (dlogits.t() @ hidden[rows]).float()
+                continue
+            block = vocab_block(dlogits.shape[0], weight.shape[0], weight.shape[1])
+            for first in range(0, weight.shape[0], block):  # 16-bit products upcast block by block, not [V × H]
+                vocab = slice(first, first + block)
+                grad_weight[vocab] += (dlogits[:, vocab].t() @ hidden[rows]).float()
         grad_weight = grad_weight.to(weight.dtype) if ctx.needs_input_grad[1] else None
         return grad_hidden, grad_weight, None, None
+
+
+def vocab_block(tile: int, vocab: int, hidden: int) -> int:
+    """Vocabulary rows per block of a 16-bit run's weight-gradient accumulation: a block's ``[rows × hidden]``
+    product (and its fp32 copy) holds as many elements as the tile's ``[tile × vocab]`` logits, so no temporary of
+    the backward is larger than the tile's own logits (an fp32 run accumulates in place: no block)."""
+    return max(1, min(vocab, tile * vocab // hidden))
 
 
 def _real_targets(hidden: torch.Tensor, targets: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
