@@ -70,7 +70,14 @@ class _TiledCrossEntropy(torch.autograd.Function):
     fp32 for the softmax, as Transformers' loss does. Backward scales each row by its own incoming gradient."""
 
     @staticmethod
-    def forward(ctx: Any, hidden: torch.Tensor, weight: torch.Tensor, targets: torch.Tensor, tile: int) -> torch.Tensor:
+    def forward(
+        ctx: Any,
+        hidden: torch.Tensor,
+        weight: torch.Tensor,
+        targets: torch.Tensor,
+        tile: int,
+        entropy: torch.Tensor | None = None,
+    ) -> torch.Tensor:
         losses = torch.empty(hidden.shape[0], dtype=torch.float32, device=hidden.device)
         lse = torch.empty(hidden.shape[0], dtype=torch.float32, device=hidden.device)
         for start in range(0, hidden.shape[0], tile):
@@ -78,6 +85,8 @@ class _TiledCrossEntropy(torch.autograd.Function):
             logits = (hidden[rows] @ weight.t()).float()
             lse[rows] = torch.logsumexp(logits, dim=-1)
             losses[rows] = lse[rows] - logits.gather(1, targets[rows, None]).squeeze(1)
+            if entropy is not None:  # each row's softmax entropy from the same tile (no gradient: a statistic)
+                entropy[rows] = lse[rows] - (torch.softmax(logits, dim=-1) * logits).sum(-1)
         ctx.save_for_backward(hidden, weight, targets, lse)
         ctx.tile = tile
         return losses
@@ -104,7 +113,7 @@ class _TiledCrossEntropy(torch.autograd.Function):
                 vocab = slice(first, first + block)
                 grad_weight[vocab] += (dlogits[:, vocab].t() @ hidden[rows]).float()
         grad_weight = grad_weight.to(weight.dtype) if ctx.needs_input_grad[1] else None
-        return grad_hidden, grad_weight, None, None
+        return grad_hidden, grad_weight, None, None, None
 
 
 def vocab_block(tile: int, vocab: int, hidden: int) -> int:
@@ -143,17 +152,35 @@ def tiled_row_logps(
     return -sums.index_add(0, torch.div(where, targets.shape[-1], rounding_mode="floor"), losses)
 
 
+def tiled_token_logps(
+    hidden: torch.Tensor, weight: torch.Tensor, targets: torch.Tensor, choice: TiledLoss
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Each position's log-probability of its target and the entropy of its next-token distribution, both
+    ``[batch, seq]`` fp32 and 0 where the target is -100, from ``hidden`` [batch, seq, H] over the LM head in tiles
+    (GRPO's per-token log-probs without the [tokens × vocab] logits; the entropy carries no gradient)."""
+    rows, goal, where = _real_targets(hidden, targets)
+    entropy = torch.zeros(rows.shape[0], dtype=torch.float32, device=hidden.device)
+    losses = _TiledCrossEntropy.apply(rows, weight, goal, choice.tile_rows(rows.shape[0]), entropy)
+    flat = torch.zeros(targets.numel(), dtype=torch.float32, device=hidden.device)
+    logps = (-flat.index_add(0, where, losses)).view(targets.shape)
+    return logps, flat.index_add(0, where, entropy).view(targets.shape)
+
+
 def _head_forward(
     self: nn.Linear,
     hidden: torch.Tensor,
     targets: torch.Tensor | None = None,
     normalizer: torch.Tensor | None = None,
     choice: TiledLoss | None = None,
-) -> torch.Tensor:
+    per_token: bool = False,
+) -> Any:
     """The LM head's forward: its logits; with ``targets`` the tiled loss, or each row's log-probs when
-    ``normalizer`` is None (inside the module's call, so that ZeRO-3 gathers the weight once for all tiles)."""
+    ``normalizer`` is None, or each token's log-prob and entropy (``per_token``); inside the module's call, so
+    that ZeRO-3 gathers the weight once for all tiles."""
     if targets is None:
         return nn.functional.linear(hidden, self.weight, self.bias)
+    if per_token:
+        return tiled_token_logps(hidden, self.weight, targets, choice)
     if normalizer is None:
         return tiled_row_logps(hidden, self.weight, targets, choice)
     return tiled_cross_entropy(hidden, self.weight, targets, normalizer, choice)
@@ -166,6 +193,14 @@ class RowLogps(ModelOutput):
     row_logps: torch.Tensor | None = None
 
 
+@dataclass
+class TokenLogps(ModelOutput):
+    """What the model returns for ``token_logps=True``: each position's target log-probability and entropy."""
+
+    token_logps: torch.Tensor | None = None
+    entropy: torch.Tensor | None = None
+
+
 def _tiled_forward(
     self: nn.Module,
     *args: Any,
@@ -173,10 +208,13 @@ def _tiled_forward(
     shift_labels: torch.Tensor | None = None,
     num_items_in_batch: Any = None,
     row_logps: bool = False,
+    token_logps: bool = False,
+    temperature: float = 1.0,
     **kwargs: Any,
 ) -> Any:
     """The causal LM's forward with the tiled loss when labels are given (``row_logps``: each row's summed target
-    log-probabilities instead, :class:`RowLogps`); its own forward otherwise."""
+    log-probabilities instead, :class:`RowLogps`; ``token_logps``: each position's, with the entropy, of the
+    logits divided by ``temperature``, :class:`TokenLogps`); its own forward otherwise."""
     if labels is None and shift_labels is None:
         return self._untiled_forward(*args, **kwargs)
     kwargs.pop("logits_to_keep", None)
@@ -184,6 +222,12 @@ def _tiled_forward(
     if shift_labels is None:
         shift_labels = nn.functional.pad(labels, (0, 1), value=IGNORE_INDEX)[..., 1:]
     head = self.get_output_embeddings()
+    if token_logps:
+        hidden = outputs.last_hidden_state
+        logps, entropy = head(
+            hidden / temperature if temperature != 1 else hidden, shift_labels, None, self._tiled_loss, True
+        )
+        return TokenLogps(token_logps=logps, entropy=entropy)
     if row_logps:
         return RowLogps(row_logps=head(outputs.last_hidden_state, shift_labels, None, self._tiled_loss))
     if num_items_in_batch is None:

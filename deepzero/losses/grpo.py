@@ -1,0 +1,496 @@
+"""GRPO as an objective plug-in: each step samples completions of the step's prompts, scores them, and minimises
+TRL 1.16's ``GRPOTrainer`` loss over them (``trl/trainer/grpo_trainer.py``, ``_compute_loss``).
+
+The engine calls ``rollout`` for a step's micro-batches: one prompt batch per rank (``sampling``: ``micro × accum
+/ G`` prompts), ``G`` completions of each prompt (``deepzero.generation``, one group per rank), rewards
+(``deepzero.rewards``), advantages ``(r − mean_group) / (std_group + 1e-4)`` (``--scale-rewards``), and the
+completion rows: the prompt left-padded, the completion right-padded, targets only on completion tokens. With
+``--num-iterations`` μ > 1 the same rows serve μ optimizer steps, their log-probs at generation kept as "old".
+
+Per token (log-probs of the logits / temperature, through the tiled LM head): ``ρ = exp(logp − logp_old)``,
+``ℓ = −min(ρA, clip(ρ, 1 − ε, 1 + ε_high)A) + β·(exp(ref − logp) − (ref − logp) − 1)``, aggregated by
+``--loss-type``: grpo (mean of each completion's token mean), bnpo (token mean of the micro-batch), dr_grpo
+(sum / (completions × max completion length)), dapo (sum / the global batch's completion tokens; TRL's default).
+"""
+
+from __future__ import annotations
+
+import copy
+import json
+import math
+from contextlib import nullcontext
+from dataclasses import asdict, dataclass
+from pathlib import Path
+from typing import Any
+
+import torch
+import torch.distributed as dist
+from torch import nn
+
+from deepzero.errors import UserError
+from deepzero.generation import CompletionSampler, GroupSeeds, HFGenerate
+from deepzero.losses.tiled import has_tiled_loss
+
+IGNORE_INDEX = -100
+LOSS_TYPES = ("dapo", "grpo", "dr_grpo", "bnpo")
+SCALES = ("group", "batch", "none")
+COMPLETIONS_FILE = "completions.jsonl"
+LOGGED_COMPLETIONS = 4
+"""Prompts (with their completions and rewards) written to completions.jsonl at each log point."""
+
+Batch = dict[str, torch.Tensor]
+
+
+@dataclass
+class GRPOSettings:
+    """GRPO's settings (the flags), defaults as TRL 1.16's GRPOConfig (max_completion_length: 256, not 512)."""
+
+    rewards: tuple[str, ...] = ()
+    num_generations: int = 8
+    max_completion_length: int = 256
+    temperature: float = 1.0
+    top_p: float = 1.0
+    epsilon: float = 0.2
+    epsilon_high: float | None = None
+    """Upper clip (None: ``epsilon``)."""
+    loss_type: str = "dapo"
+    beta: float = 0.0
+    scale_rewards: str = "group"
+    num_iterations: int = 1
+    reference: str = "none"
+    """β > 0: "adapters-off" (LoRA) or "frozen-copy" (full fine-tuning); none for β = 0."""
+
+    @property
+    def clip_high(self) -> float:
+        return self.epsilon if self.epsilon_high is None else self.epsilon_high
+
+    def check(self) -> None:
+        """Each value in range; the error names the flag."""
+        checks = [
+            ("--num-generations", self.num_generations >= 2, "at least 2 (a group's advantages need 2)", "8"),
+            ("--max-completion-length", self.max_completion_length >= 1, "at least 1", "256"),
+            ("--temperature", math.isfinite(self.temperature) and self.temperature > 0, "positive", "1.0"),
+            ("--top-p", 0 < self.top_p <= 1, "in (0, 1]", "1.0"),
+            ("--epsilon", math.isfinite(self.epsilon) and 0 <= self.epsilon < 1, "in [0, 1)", "0.2"),
+            ("--epsilon-high", self.epsilon_high is None or self.epsilon_high >= 0, "0 or more", "0.28"),
+            ("--beta", math.isfinite(self.beta) and self.beta >= 0, "0 or more", "0.04"),
+            ("--num-iterations", self.num_iterations >= 1, "at least 1", "1"),
+        ]
+        for flag, ok, what, example in checks:
+            if not ok:
+                raise UserError(flag, f"must be {what}", f"pass e.g. {example}")
+        if self.loss_type not in LOSS_TYPES:
+            raise UserError(
+                "--loss-type", f"unknown GRPO loss {self.loss_type!r}", f"use one of {', '.join(LOSS_TYPES)}"
+            )
+        if self.scale_rewards not in SCALES:
+            raise UserError("--scale-rewards", f"unknown {self.scale_rewards!r}", f"use one of {', '.join(SCALES)}")
+        if not self.rewards:
+            raise UserError("--reward", "a prompts data folder trains with GRPO, which needs a reward", "pass --reward")
+
+
+def nanstd(x: torch.Tensor, dim: int | None = None) -> torch.Tensor:
+    """TRL's ``nanstd``: the unbiased standard deviation ignoring NaNs."""
+    keep = ~torch.isnan(x)
+    count = keep.sum() if dim is None else keep.sum(dim)
+    mean = torch.nanmean(x) if dim is None else torch.nanmean(x, dim=dim, keepdim=True)
+    variance = torch.nanmean((x - mean) ** 2) if dim is None else torch.nanmean((x - mean) ** 2, dim=dim)
+    return torch.sqrt(variance * count / (count - 1))
+
+
+def advantages(rewards: torch.Tensor, group: int, scale: str, batch_std: torch.Tensor | None = None) -> torch.Tensor:
+    """TRL's ``sum_then_normalize`` advantages of ``rewards`` [n] (NaN: unscorable) in groups of ``group``:
+    ``r − mean_group``, divided by ``std + 1e-4`` (the group's, or ``batch_std``: the global batch's), NaN → 0."""
+    grouped = rewards.view(-1, group)
+    mean = torch.nanmean(grouped, dim=1).repeat_interleave(group)
+    std = nanstd(grouped, dim=1).repeat_interleave(group)
+    adv = rewards - mean
+    if scale == "group":
+        adv = adv / (std + 1e-4)
+    elif scale == "batch":
+        adv = adv / (batch_std + 1e-4)
+    return torch.nan_to_num(adv, nan=0.0)
+
+
+def token_logps(model: Any, batch: Batch, temperature: float) -> tuple[torch.Tensor, torch.Tensor]:
+    """Each position's target log-probability (logits / temperature) and entropy, ``[b, L]`` fp32, 0 where the
+    target is -100: over the tiled LM head when installed, else from the model's whole logits."""
+    kwargs = {k: batch[k] for k in ("input_ids", "attention_mask")}
+    labels = batch["labels"]
+    if has_tiled_loss(model):
+        out = model(**kwargs, shift_labels=labels, token_logps=True, temperature=temperature, use_cache=False)
+        return out.token_logps, out.entropy
+    logits = model(**kwargs, use_cache=False).logits.float() / temperature
+    logp = torch.log_softmax(logits, dim=-1)
+    keep = labels != IGNORE_INDEX
+    target = logp.gather(-1, labels.masked_fill(~keep, 0)[..., None]).squeeze(-1) * keep
+    entropy = -(logp.exp() * logp).sum(-1) * keep
+    return target, entropy.detach()
+
+
+def per_token_loss(
+    s: GRPOSettings, logps: torch.Tensor, batch: Batch
+) -> tuple[torch.Tensor, torch.Tensor | None, torch.Tensor]:
+    """TRL's per-token loss, its per-token KL (β > 0) and the ratios ``ρ``."""
+    old = batch.get("old_logps")
+    old = logps.detach() if old is None else old
+    coef1 = torch.exp(logps - old)
+    adv = batch["advantages"].unsqueeze(1)
+    coef2 = torch.clamp(coef1, 1 - s.epsilon, 1 + s.clip_high)
+    loss = -torch.min(coef1 * adv, coef2 * adv)
+    kl = None
+    if s.beta != 0.0:
+        ref = batch["ref_logps"]
+        kl = torch.exp(ref - logps) - (ref - logps) - 1
+        loss = loss + s.beta * kl
+    return loss, kl, coef1
+
+
+def aggregate(s: GRPOSettings, loss: torch.Tensor, mask: torch.Tensor, normalizer: torch.Tensor) -> torch.Tensor:
+    """One micro-batch's loss by ``--loss-type`` (dapo: ``normalizer`` = global completion tokens / (ranks ×
+    accumulation steps), the LM loss's token normalizer)."""
+    if s.loss_type == "grpo":
+        return ((loss * mask).sum(-1) / mask.sum(-1).clamp(min=1.0)).mean()
+    if s.loss_type == "bnpo":
+        return (loss * mask).sum() / mask.sum().clamp(min=1.0)
+    if s.loss_type == "dr_grpo":
+        return (loss * mask).sum() / (loss.shape[0] * s.max_completion_length)
+    return (loss * mask).sum() / normalizer
+
+
+def completion_rows(
+    prompts: list[torch.Tensor], completions: list[list[int]], pad_id: int, device: torch.device
+) -> Batch:
+    """Rows ``prompt (left-padded) + completion (right-padded)`` with their attention mask, and as ``labels`` the
+    shifted targets: the next token where it is a completion token, else -100 (TRL's layout and targets)."""
+    p_len = max(len(p) for p in prompts)
+    c_len = max(max(len(c) for c in completions), 1)
+    n = len(completions)
+    ids = torch.full((n, p_len + c_len), pad_id, dtype=torch.long)
+    mask = torch.zeros((n, p_len + c_len), dtype=torch.long)
+    is_completion = torch.zeros((n, p_len + c_len), dtype=torch.bool)
+    for i, (prompt, completion) in enumerate(zip(prompts, completions, strict=True)):
+        ids[i, p_len - len(prompt) : p_len] = prompt.cpu()
+        mask[i, p_len - len(prompt) : p_len] = 1
+        ids[i, p_len : p_len + len(completion)] = torch.tensor(completion, dtype=torch.long)
+        mask[i, p_len : p_len + len(completion)] = 1
+        is_completion[i, p_len : p_len + len(completion)] = True
+    labels = torch.full_like(ids, IGNORE_INDEX)
+    labels[:, :-1] = ids[:, 1:].masked_fill(~is_completion[:, 1:], IGNORE_INDEX)
+    return {"input_ids": ids.to(device), "attention_mask": mask.to(device), "labels": labels.to(device)}
+
+
+class GRPO:
+    """The GRPO objective (see the module docstring); ``attach`` gives it the data, tokenizer and rewards."""
+
+    perplexity = False
+
+    def __init__(self, settings: GRPOSettings, seed: int = 0, sampler: CompletionSampler | None = None) -> None:
+        self.settings = settings
+        self.seeds = GroupSeeds(seed)
+        self.sampler = sampler
+        self.data: Any = None
+        self.tokenizer: Any = None
+        self.rewards: Any = None
+        self.out_dir: Path | None = None
+        self.pad_id = 0
+        self.reference_model: nn.Module | None = None
+        self._buffer: list[Batch] | None = None
+        self._uses = 0
+        self._loss_stats: dict[str, list[torch.Tensor]] = {"train": [], "eval": []}
+        self._rollout_stats: dict[str, list[torch.Tensor]] = {"train": [], "eval": []}
+        self._samples: list[dict[str, Any]] = []
+
+    # -- set-up -------------------------------------------------------------------------------------------------
+    def attach(self, data: Any, tokenizer: Any, rewards: Any, out_dir: Path | None, model: nn.Module) -> None:
+        """The prompts, the tokenizer (pad, end-of-sequence, decoding), the rewards, and (β > 0, full fine-tuning)
+        a frozen copy of the starting weights; call before any step or checkpoint load."""
+        s = self.settings
+        self.data, self.tokenizer, self.rewards, self.out_dir = data, tokenizer, rewards, out_dir
+        eos = tokenizer.eos_token_id
+        self.pad_id = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else eos
+        if self.sampler is None:
+            self.sampler = HFGenerate(s.max_completion_length, (eos,), self.pad_id, s.temperature, s.top_p)
+        if s.reference == "frozen-copy":
+            self.reference_model = copy.deepcopy(model).eval().requires_grad_(False)
+
+    def sampling(self, micro: int, accum: int, start_step: int) -> tuple[int, int, int]:
+        """The prompt sampler's shape: one batch of ``micro × accum / G`` prompts per rank per generation, a
+        generation every ``num_iterations`` steps."""
+        return micro * accum // self.settings.num_generations, 1, start_step // self.settings.num_iterations
+
+    def state_dict(self) -> dict[str, Any]:
+        return {"sampling": self.seeds.state_dict()}
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        if "sampling" in state:
+            self.seeds.load_state_dict(state["sampling"])
+
+    # -- the step -----------------------------------------------------------------------------------------------
+    def rollout(self, engine: Any, batches: Any, accum: int) -> list[Batch]:
+        """The step's completion micro-batches: a new generation every ``num_iterations`` steps, else the last."""
+        if self._buffer is None or self._uses >= self.settings.num_iterations:
+            prompts = next(batches)
+            self._buffer = self.generate_and_score(engine, prompts, accum)
+            self._uses = 0
+        self._uses += 1
+        return self._buffer
+
+    def generate_and_score(self, engine: Any, prompts: Batch, accum: int) -> list[Batch]:
+        """Sample G completions of each prompt, score them, and build ``accum`` micro-batches of rows."""
+        s, g = self.settings, self.settings.num_generations
+        model = _module(engine)
+        ids, index = _unpadded(prompts), prompts["index"].tolist()
+        generation = self.seeds.generations
+        with _generating(engine, model):
+            completions = [
+                c
+                for i, p in zip(index, ids, strict=True)
+                for c in self.sampler.sample(model, p, g, self.seeds.of(generation, i))
+            ]
+        self.seeds.generations += 1
+        rows_prompts = [p for p in ids for _ in range(g)]
+        records = [self.data.record(i) for i in index for _ in range(g)]
+        texts = [self.data.prompt_text(i) for i in index for _ in range(g)]
+        total, per_name = self.score(texts, completions, records, [i for i in index for _ in range(g)])
+        device = prompts["prompt_ids"].device
+        total, per_name = total.to(device), {k: v.to(device) for k, v in per_name.items()}
+        batch_std = self._global_std(total) if s.scale_rewards == "batch" else None
+        adv = advantages(total, g, s.scale_rewards, batch_std)
+        self._note_rollout("train", total, per_name, completions, g)
+        self._keep_samples(texts, completions, total, g)
+        n = len(completions)
+        if n % accum:
+            raise UserError("--num-generations", f"{n} completions do not split into {accum} micro-batches", "fix")
+        size = n // accum
+        micro = []
+        for k in range(accum):
+            part = slice(k * size, (k + 1) * size)
+            batch = completion_rows(rows_prompts[part], completions[part], self.pad_id, device)
+            batch["advantages"] = adv[part].float()
+            micro.append(batch)
+        with torch.no_grad(), _uncounted():
+            for batch in micro:
+                if s.num_iterations > 1:
+                    batch["old_logps"] = token_logps(engine, batch, s.temperature)[0]
+                if s.beta != 0.0:
+                    batch["ref_logps"] = self.reference_logps(engine, batch)
+        return micro
+
+    def reference_logps(self, engine: Any, batch: Batch) -> torch.Tensor:
+        """log π_ref per token: the frozen copy of the starting weights, or the model with its adapters off."""
+        if self.reference_model is not None:
+            return token_logps(self.reference_model, batch, self.settings.temperature)[0]
+        with _module(engine).disable_adapter():
+            return token_logps(engine, batch, self.settings.temperature)[0]
+
+    def score(
+        self, prompts: list[str], completions: list[list[int]], records: list[dict], index: list[int]
+    ) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
+        """The rewards of every completion; a bad reward stops every rank with the failing rank's line."""
+        texts = self.tokenizer.batch_decode(completions, skip_special_tokens=True)
+        error = None
+        total, per_name = torch.zeros(0), {}
+        try:
+            total, per_name = self.rewards.score(prompts, texts, completions, records)
+            if per_name:
+                all_none = torch.stack([v.float() for v in per_name.values()], 1).isnan().all(1)
+                total = total.float().masked_fill(all_none, float("nan"))
+        except UserError as err:
+            error = str(err)
+        errors = [error]
+        if dist.is_initialized() and dist.get_world_size() > 1:
+            errors = [None] * dist.get_world_size()
+            dist.all_gather_object(errors, error)
+        if first := next((e for e in errors if e), None):
+            raise _Raised(first)
+        return total.float(), {k: v.float() for k, v in per_name.items()}
+
+    def normalizer(self, micro: list[Batch], dp_size: int, group: Any = None) -> torch.Tensor:
+        """dapo: the global completion-token count / (accumulation steps × ranks); the others normalise inside
+        each micro-batch (1)."""
+        if self.settings.loss_type != "dapo":
+            return torch.ones((), device=micro[0]["input_ids"].device)
+        from deepzero.engines.base import loss_normalizer
+
+        return loss_normalizer(micro, dp_size, group)
+
+    def loss(self, model: Any, batch: Batch, normalizer: torch.Tensor) -> torch.Tensor:
+        s = self.settings
+        logps, entropy = token_logps(model, batch, s.temperature)
+        mask = (batch["labels"] != IGNORE_INDEX).float()
+        loss, kl, coef = per_token_loss(s, logps, batch)
+        result = aggregate(s, loss, mask, normalizer)
+        with torch.no_grad():
+            adv = batch["advantages"].unsqueeze(1)
+            low = ((coef < 1 - s.epsilon) & (adv < 0)).float()
+            high = ((coef > 1 + s.clip_high) & (adv > 0)).float()
+            parts = [entropy, low, high, torch.maximum(low, high), kl if kl is not None else torch.zeros_like(mask)]
+            sums = torch.stack([(p * mask).sum() for p in parts] + [mask.sum()])
+            mode = "train" if _module(model).training else "eval"
+            self._loss_stats[mode].append(sums.detach().float())
+        return result
+
+    def eval_sums(self, model: Any, batch: Batch) -> tuple[torch.Tensor, torch.Tensor]:
+        """Greedy completions of held-out prompts: minus their summed reward and their count (val_loss = −mean
+        reward; ``val_reward`` is logged beside)."""
+        mod = _module(model)
+        ids, index = _unpadded(batch), batch["index"].tolist()
+        with _generating(model, mod):
+            completions = [c for p in ids for c in self.sampler.sample(mod, p, 1, None)]
+        records = [self.data_eval.record(i) for i in index]
+        texts = [self.data_eval.prompt_text(i) for i in index]
+        total, per_name = self.score(texts, completions, records, index)
+        device = batch["prompt_ids"].device
+        self._note_rollout("eval", total.to(device), {k: v.to(device) for k, v in per_name.items()}, completions, 1)
+        return -torch.nansum(total).to(device), torch.tensor(float(len(completions)), device=device)
+
+    data_eval: Any = None
+
+    # -- metrics ------------------------------------------------------------------------------------------------
+    def _note_rollout(self, mode: str, total: torch.Tensor, per_name: dict, completions: list[list[int]], g: int):
+        eos = self.sampler.eos_ids if hasattr(self.sampler, "eos_ids") else ()
+        lengths = torch.tensor([float(len(c)) for c in completions], device=total.device)
+        truncated = torch.tensor([float(not c or c[-1] not in eos) for c in completions], device=total.device)
+        ok = ~torch.isnan(total)
+        zero_std = torch.zeros((), device=total.device)
+        if g > 1:
+            std = nanstd(total.view(-1, g), dim=1)
+            zero_std = torch.isclose(std, torch.zeros_like(std)).float().sum() * g
+        values = [total.nan_to_num().sum(), (total.nan_to_num() ** 2).sum(), ok.float().sum()]
+        for name in self.rewards.names:
+            v = per_name[name]
+            keep = ~torch.isnan(v)
+            values += [v.nan_to_num().sum(), keep.float().sum()]
+        values += [lengths.sum(), truncated.sum(), zero_std, torch.tensor(float(len(completions)), device=total.device)]
+        self._rollout_stats[mode].append(torch.stack(values).float())
+
+    def _keep_samples(self, prompts: list[str], completions: list[list[int]], total: torch.Tensor, g: int) -> None:
+        texts = self.tokenizer.batch_decode(completions[: LOGGED_COMPLETIONS * g], skip_special_tokens=True)
+        self._samples = [
+            {"prompt": prompts[i], "completion": texts[i], "reward": float(total[i])} for i in range(0, len(texts))
+        ][: LOGGED_COMPLETIONS * g]
+
+    def _global_std(self, total: torch.Tensor) -> torch.Tensor:
+        """nanstd of the rewards of every rank's generation batch (two all-reduces: mean, then squares)."""
+        ok = ~torch.isnan(total)
+        sums = torch.stack([total.nan_to_num().sum(), ok.float().sum()])
+        if dist.is_initialized():
+            dist.all_reduce(sums)
+        mean = sums[0] / sums[1]
+        square = torch.stack([((total - mean) ** 2).nan_to_num().sum()])
+        if dist.is_initialized():
+            dist.all_reduce(square)
+        return torch.sqrt(square[0] / (sums[1] - 1))
+
+    def window_stats(self, mode: str) -> dict[str, float]:
+        """TRL's metrics, each the mean over the window of its per-generation (rewards, lengths) or per-micro-batch
+        (entropy, kl, clip ratios; token-weighted over every rank) values; a collective."""
+        out: dict[str, float] = {}
+        rollouts, self._rollout_stats[mode] = self._rollout_stats[mode], []
+        losses, self._loss_stats[mode] = self._loss_stats[mode], []
+        if rollouts:
+            r = torch.stack(rollouts)
+            if dist.is_initialized():
+                dist.all_reduce(r)
+            n = r[:, 2].clamp(min=1)
+            mean = r[:, 0] / n
+            std = torch.sqrt(((r[:, 1] - n * mean**2) / (n - 1).clamp(min=1)).clamp(min=0))
+            out["reward"], out["reward_std"] = mean.mean().item(), std.mean().item()
+            for k, name in enumerate(self.rewards.names):
+                out[f"rewards/{name}/mean"] = (r[:, 3 + 2 * k] / r[:, 4 + 2 * k].clamp(min=1)).mean().item()
+            base, count = 3 + 2 * len(self.rewards.names), r[:, -1].clamp(min=1)
+            out["completions/mean_length"] = (r[:, base] / count).mean().item()
+            out["completions/clipped_ratio"] = (r[:, base + 1] / count).mean().item()
+            if mode == "train":
+                out["frac_reward_zero_std"] = (r[:, base + 2] / count).mean().item()
+        if losses:
+            m = torch.stack(losses)
+            if dist.is_initialized():
+                dist.all_reduce(m)
+            per = m[:, :-1] / m[:, -1:].clamp(min=1)
+            mean = per.mean(0).tolist()
+            out["entropy"] = mean[0]
+            out["clip_ratio/low_mean"], out["clip_ratio/high_mean"], out["clip_ratio/region_mean"] = mean[1:4]
+            if self.settings.beta != 0.0:
+                out["kl"] = mean[4]
+        if mode == "train" and rollouts:
+            self._write_samples()
+        return out
+
+    def _write_samples(self) -> None:
+        if self.out_dir is None or not self._samples or (dist.is_initialized() and dist.get_rank() != 0):
+            return
+        self.out_dir.mkdir(parents=True, exist_ok=True)
+        with (self.out_dir / COMPLETIONS_FILE).open("a") as fh:
+            fh.write(json.dumps({"generation": self.seeds.generations, "samples": self._samples}) + "\n")
+
+    def describe(self) -> str:
+        s = self.settings
+        ref = {
+            "none": "no reference",
+            "adapters-off": "reference = adapters off",
+            "frozen-copy": "reference = a frozen copy",
+        }
+        return (
+            f"loss: GRPO {s.loss_type} (G {s.num_generations}, epsilon {s.epsilon:g}/{s.clip_high:g}, beta {s.beta:g},"
+            f" {ref[s.reference]}, scale rewards {s.scale_rewards}, {s.num_iterations} iteration(s) per generation);"
+            f" sampling T {s.temperature:g} top-p {s.top_p:g}, up to {s.max_completion_length} tokens;"
+            f" rewards {', '.join(s.rewards)}"
+        )
+
+    def to_json(self) -> dict[str, Any]:
+        return {"kind": "grpo", **asdict(self.settings)}
+
+
+class _Raised(UserError):
+    """A reward's error line, as raised on the rank where the reward failed (every rank raises it)."""
+
+    def __init__(self, line: str) -> None:
+        Exception.__init__(self, line)
+
+    def __str__(self) -> str:
+        return str(self.args[0])
+
+
+def _module(engine: Any) -> nn.Module:
+    """The model inside a DeepSpeed engine (peft model under LoRA), or ``engine`` itself."""
+    return getattr(engine, "module", engine)
+
+
+def _unpadded(prompts: Batch) -> list[torch.Tensor]:
+    """Each prompt's ids without the left padding."""
+    return [ids[mask.bool()] for ids, mask in zip(prompts["prompt_ids"], prompts["prompt_mask"], strict=True)]
+
+
+def _uncounted() -> Any:
+    from deepzero.moe_balance import uncounted
+
+    return uncounted()
+
+
+class _generating:
+    """Generation mode: eval (no dropout), routers not counting, ZeRO-3's parameters gathered once for the whole
+    generation (TRL's ``ds3_gather_for_generation``: each rank holds the whole model meanwhile)."""
+
+    def __init__(self, engine: Any, model: nn.Module) -> None:
+        self.model = model
+        params = [p for p in model.parameters() if hasattr(p, "ds_id")]
+        if params:
+            import deepspeed
+
+            self.gather = deepspeed.zero.GatheredParameters(params)
+        else:
+            self.gather = nullcontext()
+        self.uncounted = _uncounted()
+
+    def __enter__(self) -> None:
+        self.was_training = self.model.training
+        self.gather.__enter__()
+        self.uncounted.__enter__()
+        self.model.eval()
+
+    def __exit__(self, *exc: Any) -> None:
+        self.model.train(self.was_training)
+        self.uncounted.__exit__(*exc)
+        self.gather.__exit__(*exc)
