@@ -18,13 +18,16 @@ from deepzero.data.dataset import (
     make_train_loader,
 )
 from deepzero.data.preference import PreferenceDataset
+from deepzero.data.prompts import PromptDataset
 from deepzero.data.sources import Corpus, Doc, iter_docs, read_corpus
 from deepzero.data.tokenizer import SPECIAL_TOKENS, stdlib_corpus, train_tokenizer, train_tokenizer_from_texts
 
 
 def open_split(data_dir: str, split: str, documents: bool = True, vocab_size: int | None = None) -> PackedDataset:
-    """A prepared split as the dataset its format reads: rows (text, chat) or pairs of rows (preference)."""
-    cls = PreferenceDataset if load_meta(data_dir)["format"] == "preference" else PackedDataset
+    """A prepared split as the dataset its format reads: rows (text, chat), pairs of rows (preference) or prompts
+    (GRPO's prompts: ``documents`` has no meaning there and is ignored; ids are checked against ``vocab_size``)."""
+    fmt = load_meta(data_dir)["format"]
+    cls = {"preference": PreferenceDataset, "prompts": PromptDataset}.get(fmt, PackedDataset)
     return cls(data_dir, split, documents=documents, vocab_size=vocab_size)
 
 
@@ -38,6 +41,7 @@ __all__ = [
     "MicroBatch",
     "PackedDataset",
     "PreferenceDataset",
+    "PromptDataset",
     "check_enough_rows",
     "eval_indices",
     "eval_sample",

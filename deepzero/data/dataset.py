@@ -6,7 +6,9 @@ raw C-order array of shape ``[rows, seq_len + 1]`` and dtype ``meta["dtype"]``; 
 rows in that order. Chat data adds a ``.mask.bin`` twin per shard (``train-00000.mask.bin``), uint8 of the same
 shape: bit 0 (value 1) marks a training target (assistant text), bit 1 (value 2) the first token of a conversation.
 Preference data (``format: preference``) has the same shards and masks, its rows in pairs
-(:mod:`deepzero.data.preference`).
+(:mod:`deepzero.data.preference`). Prompt data (``format: prompts``, GRPO) has rows of ``max_prompt_len`` tokens, one
+prompt each, right-padded, mask bit 0 on the prompt's tokens, and each record's other fields in
+``{split}.records.jsonl`` (:mod:`deepzero.data.prompts`).
 
 Each row yields ``input_ids = row[:-1]`` and targets ``row[1:]``, already shifted. Transformers' causal-LM loss
 shifts ``labels`` itself unless it is given ``shift_labels``, and it only computes a loss when ``labels`` is not None,
@@ -47,6 +49,7 @@ META_FILE = "meta.json"
 FORMAT_VERSION = 2
 """1: one ``{split}.bin`` per split, 0/1 chat masks. 2: shards listed in meta.json, chat mask bit 1 = start."""
 SPLITS = ("train", "val")
+FORMATS = ("text", "chat", "preference", "prompts")
 IGNORE_INDEX = -100
 MASK_TARGET, MASK_START = 1, 2
 _PREPARE = "run python data/prepare.py --input stdlib --tokenizer train --out {dir}"
@@ -74,7 +77,7 @@ def load_meta(data_dir: Path | str) -> dict[str, Any]:
     if not meta_path.is_file():
         raise UserError(str(meta_path), "missing, so the data folder was never prepared (or not finished)", fix)
     meta = _read_meta(meta_path, fix)
-    row_len = meta["seq_len"] + 1
+    row_len = row_length(meta)
     row_bytes = row_len * np.dtype(meta["dtype"]).itemsize
     for split in SPLITS:
         for shard in meta["shards"][split]:
@@ -109,8 +112,12 @@ def _read_meta(meta_path: Path, fix: str) -> dict[str, Any]:
         problems.append(f"'seq_len' must be a positive integer, got {meta.get('seq_len')!r}")
     if meta.get("dtype") not in ("uint16", "uint32"):
         problems.append(f"'dtype' must be uint16 or uint32, got {meta.get('dtype')!r}")
-    if meta.get("format") not in ("text", "chat", "preference"):
-        problems.append(f"'format' must be text, chat or preference, got {meta.get('format')!r}")
+    if meta.get("format") not in FORMATS:
+        problems.append(f"'format' must be one of {', '.join(FORMATS)}, got {meta.get('format')!r}")
+    elif meta["format"] == "prompts" and not (
+        isinstance(meta.get("max_prompt_len"), int) and meta["max_prompt_len"] > 0
+    ):
+        problems.append(f"'max_prompt_len' must be a positive integer, got {meta.get('max_prompt_len')!r}")
     if not isinstance(meta.get("tokenizer", ""), str):
         problems.append(f"'tokenizer' must be a folder or hub id (a string), got {meta.get('tokenizer')!r}")
     rows = meta.get("n_rows")
@@ -163,7 +170,13 @@ def check_enough_rows(n_rows: int, global_batch: int, split: str) -> None:
 
 
 def _has_mask(meta: dict[str, Any]) -> bool:
-    return meta["format"] in ("chat", "preference")
+    return meta["format"] in ("chat", "preference", "prompts")
+
+
+def row_length(meta: dict[str, Any]) -> int:
+    """Tokens per stored row: ``seq_len + 1`` (a training row and its shifted targets), or for prompts (GRPO) the
+    longest prompt, ``max_prompt_len`` (the completion is generated, never stored)."""
+    return meta["max_prompt_len"] if meta["format"] == "prompts" else meta["seq_len"] + 1
 
 
 class PackedDataset(Dataset):
@@ -181,6 +194,7 @@ class PackedDataset(Dataset):
         self.meta = load_meta(data_dir)
         self.data_dir, self.split, self.documents = Path(data_dir), split, documents
         self.seq_len: int = self.meta["seq_len"]
+        self.row_len: int = row_length(self.meta)
         self.n_rows: int = self.meta["n_rows"][split]
         self.shards: list[dict[str, Any]] = self.meta["shards"][split]
         self.starts: list[int] = np.cumsum([0] + [s["rows"] for s in self.shards])[:-1].tolist()
@@ -196,7 +210,7 @@ class PackedDataset(Dataset):
     def _open(self) -> None:
         self._rows, self._mask = [], []
         for shard in self.shards:
-            shape = (shard["rows"], self.seq_len + 1)
+            shape = (shard["rows"], self.row_len)
             tokens, mask = shard_files(self.data_dir, shard["file"])
             # plain ndarray views of the maps: a row of an np.memmap costs ~5 us to index and ~20 us to reduce
             self._rows.append(np.memmap(tokens, dtype=self.meta["dtype"], mode="r", shape=shape).view(np.ndarray))
@@ -204,7 +218,7 @@ class PackedDataset(Dataset):
                 self._mask.append(np.memmap(mask, dtype=np.uint8, mode="r", shape=shape).view(np.ndarray))
 
     def row(self, i: int) -> tuple[np.ndarray, np.ndarray | None]:
-        """Row ``i`` of the split (``seq_len + 1`` tokens) and its mask (chat only)."""
+        """Row ``i`` of the split (``row_len`` tokens) and its mask (chat, preference, prompts)."""
         if not 0 <= i < self.n_rows:
             raise IndexError(f"row {i} out of range for {self.n_rows} rows")
         if self._rows is None:
@@ -392,7 +406,7 @@ def make_train_loader(
         batch_sampler=sampler,
         num_workers=num_workers,
         pin_memory=pin_memory,
-        collate_fn=partial(_collate, type(dataset).collate),
+        collate_fn=partial(_collate, dataset.collate),
         worker_init_fn=_ignore_stop_signals if num_workers else None,
     )
 
@@ -445,5 +459,5 @@ def make_eval_loader(
         batch_sampler=batches,
         num_workers=num_workers,
         pin_memory=pin_memory,
-        collate_fn=partial(_collate, type(dataset).collate),
+        collate_fn=partial(_collate, dataset.collate),
     )

@@ -32,7 +32,7 @@ from torch.utils.data import default_collate
 from transformers import PreTrainedTokenizerBase
 
 from deepzero.data.dataset import MASK_START, MASK_TARGET, META_FILE, PackedDataset, meta_header
-from deepzero.data.sources import Chat, input_files
+from deepzero.data.sources import Chat, input_files, rename
 from deepzero.data.tokenizer import train_tokenizer_from_texts
 from deepzero.errors import UserError
 
@@ -62,8 +62,9 @@ class Pair:
         return "\n".join(m["content"] for m in (*self.prompt, *self.chosen, *self.rejected))
 
 
-def read_pairs(specs: Sequence[str], on_bad: Any) -> Iterator[Pair]:
-    """Every record of the JSONL inputs as a :class:`Pair`; a bad one goes to ``on_bad`` (raise or count)."""
+def read_pairs(specs: Sequence[str], on_bad: Any, columns: dict[str, str] | None = None) -> Iterator[Pair]:
+    """Every record of the JSONL inputs as a :class:`Pair` (``columns``: ``--columns``, the input's names of
+    prompt/chosen/rejected); a bad one goes to ``on_bad`` (raise or count)."""
     for spec in specs:
         for path in input_files(spec):
             if path.suffix != ".jsonl":
@@ -76,7 +77,8 @@ def read_pairs(specs: Sequence[str], on_bad: Any) -> Iterator[Pair]:
                         continue
                     where = f"{path}:{lineno}"
                     try:
-                        yield parse_record(json.loads(raw.decode("utf-8")), where)
+                        record = json.loads(raw.decode("utf-8"))
+                        yield parse_record(rename(record, columns or {}) if isinstance(record, dict) else record, where)
                     except (UnicodeDecodeError, json.JSONDecodeError) as err:
                         on_bad(UserError(where, f"line {lineno} is not valid JSON in UTF-8 ({err})", _FIX_BAD))
                     except UserError as err:
@@ -183,6 +185,7 @@ def prepare_pairs(
     skip_bad: bool,
     fingerprint: str,
     val_inputs: Sequence[str] = (),
+    columns: dict[str, str] | None = None,
 ) -> dict[str, Any]:
     """Write ``out`` (rows in pairs, see the module docstring) and return its meta.json contents. With ``val_inputs``
     (``--val-input``) val is their pairs and train every pair of ``inputs``; else a pair's hash decides."""
@@ -197,8 +200,8 @@ def prepare_pairs(
     tmp.mkdir()
     try:
         given = "train" if val_inputs else None
-        pairs = [(pair, given) for pair in read_pairs(inputs, bad)]
-        pairs += [(pair, "val") for pair in read_pairs(val_inputs, bad)]
+        pairs = [(pair, given) for pair in read_pairs(inputs, bad, columns)]
+        pairs += [(pair, "val") for pair in read_pairs(val_inputs, bad, columns)]
         if len(pairs) < 2:
             raise UserError(
                 f"--input {' '.join(inputs)}", f"holds {len(pairs)} usable pair(s)", "pass at least two pairs"

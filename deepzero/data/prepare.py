@@ -60,7 +60,16 @@ from deepzero.data.dataset import (
     shard_files,
     shard_name,
 )
-from deepzero.data.sources import Chat, Doc, Format, doc_text, input_bytes, inputs_digest, iter_docs
+from deepzero.data.sources import (
+    Chat,
+    Doc,
+    Format,
+    doc_text,
+    input_bytes,
+    inputs_digest,
+    iter_docs,
+    parse_columns,
+)
 from deepzero.data.tokenizer import train_tokenizer_from_texts
 from deepzero.errors import UserError
 
@@ -71,6 +80,7 @@ IN_FLIGHT_PER_WORKER = 4
 """Batches submitted ahead per worker: enough to keep them busy, few enough to bound memory."""
 DEFAULT_SHARD_MB = 256
 DEFAULT_VAL_FRACTION = 0.02
+FORMATS = ("auto", "text", "chat", "preference", "prompts")
 TOKENIZER_SAMPLE_MB = 64
 _FLUSH_TOKENS = 1 << 22
 _TOKENIZER_SUFFIXES = frozenset({".json", ".jinja", ".txt", ".model", ".tiktoken"})
@@ -110,16 +120,25 @@ def prepare(
     skip_bad: bool = False,
     tokenizer_sample_mb: float = TOKENIZER_SAMPLE_MB,
     val_inputs: Sequence[str] = (),
+    max_completion_length: int | None = None,
+    columns: dict[str, str] | None = None,
 ) -> dict[str, Any]:
     """Build ``out`` (see module docstring) unless it is already up to date; return its ``meta.json`` contents.
 
     The val split is ``val_inputs``' documents when given, else drawn from ``inputs`` by hash with ``val_fraction``
-    (default ``DEFAULT_VAL_FRACTION``); giving both is an error."""
+    (default ``DEFAULT_VAL_FRACTION``); giving both is an error. ``max_completion_length`` (``--format prompts``
+    only; default ``seq_len // 2``) is the part of ``seq_len`` left to the generated completion. ``columns`` maps the
+    fields a format reads to the input's field names (``{"prompt": "question"}``)."""
     out = Path(out)
     workers = workers or len(os.sched_getaffinity(0))
     val_fraction = _val_fraction(val_fraction, val_inputs)
     _check_args(seq_len, val_fraction, fmt, workers, shard_mb)
+    max_completion_length = _completion_length(fmt, seq_len, max_completion_length)
     settings: dict[str, Any] = {"shard_mb": shard_mb, "skip_bad": skip_bad}
+    if columns:
+        settings["columns"] = columns
+    if max_completion_length is not None:
+        settings["max_completion_length"] = max_completion_length
     if tokenizer == "train":
         settings["tokenizer_sample_mb"] = tokenizer_sample_mb
     if val_inputs:
@@ -135,7 +154,14 @@ def prepare(
         from deepzero.data.preference import prepare_pairs
 
         args = (seq_len, val_fraction, vocab_size, seed, skip_bad, fingerprint)
-        return prepare_pairs(inputs, out, loaded, tokenizer, *args, val_inputs=val_inputs)
+        return prepare_pairs(inputs, out, loaded, tokenizer, *args, val_inputs=val_inputs, columns=columns)
+    if fmt == "prompts":
+        from deepzero.data.prompts import prepare_prompts
+
+        args = (seq_len, max_completion_length, val_fraction, vocab_size, seed, skip_bad, fingerprint)
+        return prepare_prompts(
+            inputs, out, loaded, tokenizer, *args, val_inputs=val_inputs, columns=columns, shard_mb=shard_mb
+        )
     total_bytes = input_bytes([*inputs, *val_inputs])
     out.parent.mkdir(parents=True, exist_ok=True)
     _remove_stale_temps(out)
@@ -256,13 +282,34 @@ def _val_fraction(val_fraction: float | None, val_inputs: Sequence[str]) -> floa
     return None
 
 
+def _completion_length(fmt: str, seq_len: int, max_completion_length: int | None) -> int | None:
+    """``--max-completion-length`` checked: prompts only, default ``seq_len // 2``, leaving a prompt 1+ tokens."""
+    if fmt != "prompts":
+        if max_completion_length is not None:
+            raise UserError(
+                "--max-completion-length",
+                f"applies to --format prompts only (this is --format {fmt})",
+                "drop --max-completion-length",
+            )
+        return None
+    if max_completion_length is None:
+        return seq_len // 2
+    if not 0 < max_completion_length < seq_len:
+        raise UserError(
+            "--max-completion-length",
+            f"must be between 1 and --seq-len - 1 = {seq_len - 1}, got {max_completion_length}",
+            f"pass e.g. --max-completion-length {seq_len // 2}: prompt and completion share --seq-len",
+        )
+    return max_completion_length
+
+
 def _check_args(seq_len: int, val_fraction: float | None, fmt: str, workers: int, shard_mb: float) -> None:
     if seq_len < 1:
         raise UserError("--seq-len", f"must be positive, got {seq_len}", "pass e.g. --seq-len 256")
     if val_fraction is not None and not 0 < val_fraction < 1:
         raise UserError("--val-fraction", f"must be between 0 and 1, got {val_fraction}", "pass e.g. 0.02")
-    if fmt not in ("auto", "text", "chat", "preference"):
-        raise UserError("--format", f"unknown format '{fmt}'", "use auto, text, chat or preference")
+    if fmt not in FORMATS:
+        raise UserError("--format", f"unknown format '{fmt}'", f"use one of {', '.join(FORMATS)}")
     if workers < 1:
         raise UserError("--workers", f"must be at least 1, got {workers}", "pass e.g. --workers 4, or leave it out")
     if not shard_mb > 0:
@@ -939,8 +986,21 @@ def _parser() -> argparse.ArgumentParser:
     p.add_argument(
         "--format",
         default="auto",
-        choices=["auto", "text", "chat", "preference"],
-        help="plain text, chat SFT, or preference pairs (prompt/chosen/rejected JSONL)",
+        choices=list(FORMATS),
+        help="plain text, chat SFT (messages, or prompt/completion), preference pairs (prompt/chosen/rejected"
+        " JSONL), or prompts (GRPO: prompt + fields for the rewards)",
+    )
+    p.add_argument(
+        "--max-completion-length",
+        type=int,
+        default=None,
+        help="--format prompts: tokens of --seq-len left to the completion (default seq_len // 2); a longer prompt"
+        " than seq_len - this is a bad record",
+    )
+    p.add_argument(
+        "--columns",
+        default=None,
+        help="FIELD=INPUT_FIELD,...: read a format's field from another input field (e.g. prompt=question)",
     )
     p.add_argument("--vocab-size", type=int, default=4096, help="vocabulary size with --tokenizer train")
     p.add_argument("--seed", type=int, default=0, help="seed of the train/val split")
@@ -976,6 +1036,8 @@ def main(argv: Sequence[str] | None = None) -> int:
             skip_bad=args.skip_bad,
             tokenizer_sample_mb=args.tokenizer_sample_mb,
             val_inputs=args.val_input,
+            max_completion_length=args.max_completion_length,
+            columns=parse_columns(args.columns),
         )
     except UserError as e:
         print(f"error: {e}", file=sys.stderr)

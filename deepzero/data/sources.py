@@ -93,6 +93,105 @@ def input_bytes(specs: Sequence[str]) -> int | None:
     return sum(f.stat().st_size for s in specs for f in input_files(s))
 
 
+@dataclass(frozen=True)
+class Record:
+    """One input record as a whole (every field, ``--columns`` already applied), where it came from, its bytes."""
+
+    fields: dict[str, Any]
+    where: str
+    nbytes: int
+
+
+def parse_columns(spec: str | None) -> dict[str, str]:
+    """``--columns prompt=question,answer=answer`` as ``{"prompt": "question", "answer": "answer"}``: the field a
+    format reads (left) and the input's field that holds it (right)."""
+    if not spec:
+        return {}
+    out: dict[str, str] = {}
+    for part in spec.split(","):
+        ours, eq, theirs = (x.strip() for x in part.partition("="))
+        if not (eq and ours and theirs) or ours in out:
+            raise UserError(
+                f"--columns {spec}",
+                f"'{part}' is not FIELD=INPUT_FIELD (or names {ours!r} twice)",
+                "pass e.g. --columns prompt=question,answer=answer",
+            )
+        out[ours] = theirs
+    return out
+
+
+def rename(record: dict[str, Any], columns: dict[str, str]) -> dict[str, Any]:
+    """``record`` with each mapped input field under the name the format reads (``columns``: ours -> theirs);
+    the mapped input fields are moved, every other field is kept as it is."""
+    if not columns:
+        return record
+    moved = {ours: record[theirs] for ours, theirs in columns.items() if theirs in record}
+    return {**{k: v for k, v in record.items() if k not in columns.values()}, **moved}
+
+
+def iter_records(
+    specs: Sequence[str], on_bad: OnBad = raise_bad, columns: dict[str, str] | None = None, flag: str = "--input"
+) -> Iterator[Record]:
+    """Every record of ``.jsonl``/``.parquet`` files and ``hf:NAME[:split]`` datasets, whole, with ``columns``
+    applied; a line that is not a JSON object goes to ``on_bad``. Other input kinds are refused in one line."""
+    for spec in specs:
+        for f in input_files(spec, flag):
+            if f.suffix not in (".jsonl", ".parquet"):
+                raise UserError(
+                    f"{flag} {spec}", f"{f} is not .jsonl or .parquet: this format reads records", _FIX_RECORDS
+                )
+    for spec in specs:
+        for record, where, nbytes in _raw_records(spec, on_bad):
+            yield Record(rename(record, columns or {}), where, nbytes)
+
+
+_FIX_RECORDS = "pass .jsonl or .parquet files, folders of them, or hf:NAME[:split]"
+
+
+def _raw_records(spec: str, on_bad: OnBad) -> Iterator[tuple[dict[str, Any], str, int]]:
+    if spec.startswith("hf:"):
+        import datasets  # slow import: only when needed
+
+        name, _, split = spec[3:].partition(":")
+        try:
+            rows = iter(datasets.load_dataset(name, split=split or "train", streaming=True))
+        except (OSError, ValueError, ConnectionError) as e:
+            raise UserError(spec, f"could not load the dataset ({type(e).__name__}: {e})", _FIX_SPEC) from e
+        for i, row in enumerate(rows):
+            yield dict(row), f"{spec} row {i}", len(json.dumps(row, default=str))
+        return
+    for path in input_files(spec):
+        if path.suffix == ".parquet":
+            import pyarrow.parquet as pq
+
+            try:
+                pf = pq.ParquetFile(path)
+            except (OSError, ValueError) as e:
+                on_bad(UserError(str(path), f"cannot be read as parquet ({e})", _FIX_BAD))
+                continue
+            per_row = path.stat().st_size // max(1, pf.metadata.num_rows)
+            row = 0
+            for batch in pf.iter_batches(batch_size=_PARQUET_BATCH):
+                for record in batch.to_pylist():
+                    yield record, f"{path} row {row}", per_row
+                    row += 1
+            continue
+        with path.open("rb") as fh:
+            for lineno, raw in enumerate(fh, start=1):
+                if not raw.strip():
+                    continue
+                where = f"{path}:{lineno}"
+                try:
+                    record = json.loads(raw.decode("utf-8"))
+                except (UnicodeDecodeError, json.JSONDecodeError) as err:
+                    on_bad(UserError(where, f"line {lineno} is not valid JSON in UTF-8 ({err})", _FIX_BAD))
+                    continue
+                if not isinstance(record, dict):
+                    on_bad(UserError(where, f"line {lineno} is not a JSON object", _FIX_BAD))
+                    continue
+                yield record, where, len(raw)
+
+
 def doc_text(value: str | Chat) -> str:
     """The text of a document (a conversation's message contents, one per line): what a tokenizer trains on."""
     return value if isinstance(value, str) else "\n".join(m["content"] for m in value)
