@@ -159,6 +159,13 @@ class RewardSet:
 
         where, fix = f"--reward {r.name}", f"fix {r.name} so that it returns one float or None per completion"
         rows = list(range(len(completions)))
+        for i in rows if r.needs else ():
+            if all(columns.get(k, [None] * len(rows))[i] is None for k in r.needs):
+                raise UserError(
+                    where,
+                    f"{record(i)} has no {' or '.join(repr(k) for k in r.needs)} field",
+                    f"prepare the data with --columns {r.needs[-1]}=YOUR_FIELD, or drop --reward {r.name}",
+                )
         try:
             out = call(rows)
         except Exception as err:  # a user's function may raise anything; it is named and re-raised
