@@ -179,3 +179,66 @@ def test_the_dataset_refuses_a_records_file_that_does_not_match_its_rows(prompts
     assert np.array_equal(
         open_split(folder, "train")[0]["prompt_ids"], open_split(prompts["data"], "train")[0]["prompt_ids"]
     )
+
+
+# --- --columns and TRL's prompt-completion layout for SFT ------------------------------------------------------------
+
+
+def rows_of(folder: Path) -> list[tuple[list[int], list[int]]]:
+    """Every (input_ids, labels) of both splits, in order."""
+    out = []
+    for split in ("train", "val"):
+        ds = open_split(folder, split)
+        out += [(ds[i]["input_ids"].tolist(), ds[i]["labels"].tolist()) for i in range(len(ds))]
+    return out
+
+
+CONVERSATIONS = [
+    [{"role": "user", "content": f"Name number {i}."}, {"role": "assistant", "content": f"Number {i}, friend."}]
+    for i in range(12)
+]
+
+
+def test_columns_map_the_fields_of_chat_and_preference(tok_dir: Path, tmp_path: Path) -> None:
+    kwargs = {"tokenizer": str(tok_dir), "seq_len": 64, "val_fraction": 0.25, "workers": 1}
+    plain = write_jsonl(tmp_path / "plain.jsonl", [{"messages": c} for c in CONVERSATIONS])
+    mine = write_jsonl(tmp_path / "mine.jsonl", [{"dialog": c, "id": i} for i, c in enumerate(CONVERSATIONS)])
+    prepare([str(plain)], tmp_path / "a", fmt="chat", **kwargs)
+    meta = prepare([str(mine)], tmp_path / "b", fmt="chat", columns={"messages": "dialog"}, **kwargs)
+    assert meta["columns"] == {"messages": "dialog"} and rows_of(tmp_path / "a") == rows_of(tmp_path / "b")
+    with pytest.raises(UserError, match=r"mine\.jsonl:1: record has no 'messages' field \(keys: \['dialog', 'id'\]\)"):
+        prepare([str(mine)], tmp_path / "c", fmt="chat", **kwargs)
+    pairs = [{"prompt": f"Say {i}.", "chosen": f"{i}.", "rejected": f"{i + 1}?"} for i in range(12)]
+    renamed = [{"question": p["prompt"], "good": p["chosen"], "bad": p["rejected"]} for p in pairs]
+    kwargs["val_fraction"] = 0.3
+    prepare([str(write_jsonl(tmp_path / "p.jsonl", pairs))], tmp_path / "pa", fmt="preference", **kwargs)
+    prepare([str(write_jsonl(tmp_path / "q.jsonl", renamed))], tmp_path / "pb", fmt="preference",
+            columns={"prompt": "question", "chosen": "good", "rejected": "bad"}, **kwargs)  # fmt: skip
+    assert rows_of(tmp_path / "pa") == rows_of(tmp_path / "pb")
+
+
+def test_prompt_completion_sft_trains_only_the_completion(tok_dir: Path, tok, tmp_path: Path) -> None:
+    kwargs = {"tokenizer": str(tok_dir), "seq_len": 64, "val_fraction": 0.25, "workers": 1}
+    as_messages = write_jsonl(tmp_path / "m.jsonl", [{"messages": c} for c in CONVERSATIONS])
+    as_lists = write_jsonl(tmp_path / "l.jsonl", [{"prompt": c[:1], "completion": c[1:]} for c in CONVERSATIONS])
+    as_strings = [{"prompt": c[0]["content"], "completion": c[1]["content"]} for c in CONVERSATIONS]
+    prepare([str(as_messages)], tmp_path / "m", fmt="chat", **kwargs)
+    prepare([str(as_lists)], tmp_path / "l", **kwargs)  # --format auto finds the layout
+    prepare([str(write_jsonl(tmp_path / "s.jsonl", as_strings))], tmp_path / "s", fmt="chat", **kwargs)
+    assert rows_of(tmp_path / "m") == rows_of(tmp_path / "l") == rows_of(tmp_path / "s")
+    # a multi-turn prompt: its own assistant turn is context, only the completion is a target
+    turns = [{"role": "user", "content": "Hi."}, {"role": "assistant", "content": "Hello there, human."},
+             {"role": "user", "content": "Count to three."}]  # fmt: skip
+    records = [{"prompt": turns, "completion": [{"role": "assistant", "content": f"One, two, three ({i})."}]}
+               for i in range(8)]  # fmt: skip
+    src = write_jsonl(
+        tmp_path / "multi.jsonl", [{"question": r["prompt"], "completion": r["completion"]} for r in records]
+    )
+    prepare([str(src)], tmp_path / "multi", fmt="chat", columns={"prompt": "question"}, **kwargs)
+    ds = open_split(tmp_path / "multi", "train")
+    labels = ds[0]["labels"]
+    targets = tok.decode(labels[labels != -100])
+    assert "One, two, three (" in targets and "Hello there" not in targets and "Count to three" not in targets
+    with pytest.raises(UserError, match=r"multi\.jsonl:1: 'completion' is neither a non-empty string nor a list"):
+        prepare([str(write_jsonl(tmp_path / "multi.jsonl", [{"prompt": "q", "completion": ""}] * 4))],
+                tmp_path / "bad", fmt="chat", **kwargs)  # fmt: skip

@@ -32,7 +32,7 @@ from torch.utils.data import default_collate
 from transformers import PreTrainedTokenizerBase
 
 from deepzero.data.dataset import MASK_START, MASK_TARGET, META_FILE, PackedDataset, meta_header
-from deepzero.data.sources import Chat, input_files, rename
+from deepzero.data.sources import Chat, input_files, iter_records
 from deepzero.data.tokenizer import train_tokenizer_from_texts
 from deepzero.errors import UserError
 
@@ -69,20 +69,11 @@ def read_pairs(specs: Sequence[str], on_bad: Any, columns: dict[str, str] | None
         for path in input_files(spec):
             if path.suffix != ".jsonl":
                 raise UserError(f"--input {spec}", "preference data is read from .jsonl files only", _FIX_RECORD)
-    for spec in specs:
-        for path in input_files(spec):
-            with path.open("rb") as fh:
-                for lineno, raw in enumerate(fh, start=1):
-                    if not raw.strip():
-                        continue
-                    where = f"{path}:{lineno}"
-                    try:
-                        record = json.loads(raw.decode("utf-8"))
-                        yield parse_record(rename(record, columns or {}) if isinstance(record, dict) else record, where)
-                    except (UnicodeDecodeError, json.JSONDecodeError) as err:
-                        on_bad(UserError(where, f"line {lineno} is not valid JSON in UTF-8 ({err})", _FIX_BAD))
-                    except UserError as err:
-                        on_bad(err)
+    for record in iter_records(specs, on_bad, columns):
+        try:
+            yield parse_record(record.fields, record.where)
+        except UserError as err:
+            on_bad(err)
 
 
 def parse_record(record: Any, where: str) -> Pair:
@@ -136,16 +127,23 @@ class PairEncoder:
 
     def ids(self, messages: Chat, add_generation_prompt: bool = False) -> list[int]:
         """The rendered conversation's ids, the tokenizer's prefix first unless the template wrote it."""
+        return self.tokens(self.render(messages, add_generation_prompt))
+
+    def render(self, messages: Chat, add_generation_prompt: bool = False) -> str:
+        """The conversation as the chat template writes it; a template's refusal is one line naming the tokenizer."""
         from jinja2.exceptions import TemplateError
 
         try:
-            text = self.tok.apply_chat_template(messages, tokenize=False, add_generation_prompt=add_generation_prompt)
+            return self.tok.apply_chat_template(messages, tokenize=False, add_generation_prompt=add_generation_prompt)
         except TemplateError as err:
             raise UserError(
                 f"--tokenizer {self.name}",
                 f"its chat template refused a conversation ({str(err).strip().splitlines()[0] if str(err) else err!r})",
                 "give the roles the template accepts (DeepSeek: system first, then user/assistant turns)",
             ) from None
+
+    def tokens(self, text: str) -> list[int]:
+        """``text``'s ids after the tokenizer's prefix (not doubled when the text already starts with it)."""
         ids = self.tok(text, add_special_tokens=False)["input_ids"]
         if self.prefix and tuple(ids[: len(self.prefix)]) != self.prefix:
             ids = [*self.prefix, *ids]
@@ -271,6 +269,7 @@ def prepare_pairs(
             "tokenizer": tok_ref,
             "inputs": list(inputs),
             "val_inputs": list(val_inputs),
+            "columns": dict(columns or {}),
             "val_fraction": val_fraction,
             "seed": seed,
             "fingerprint": fingerprint,

@@ -61,6 +61,7 @@ from deepzero.data.dataset import (
     shard_name,
 )
 from deepzero.data.sources import (
+    NOT_TRAINED,
     Chat,
     Doc,
     Format,
@@ -172,15 +173,17 @@ def prepare(
     try:
         if loaded is None:
             sample = int(tokenizer_sample_mb * 2**20)
-            tok, tok_ref = _train_tokenizer(inputs, fmt, seed, val_fraction, vocab_size, sample, skip_bad, out, tmp)
+            tok, tok_ref = _train_tokenizer(
+                inputs, fmt, seed, val_fraction, vocab_size, sample, skip_bad, out, tmp, columns
+            )
         else:
             tok, tok_ref = loaded, _tokenizer_ref(tokenizer, out, tmp)
-        docs = iter_docs(inputs, fmt, bad)
+        docs = iter_docs(inputs, fmt, bad, columns=columns)
         first = next(docs)
         chat = not isinstance(first.value, str)
         tasks = _batches(_chain(first, docs), None if val_fraction is not None else "train")
         if val_inputs:
-            tasks = itertools.chain(tasks, _batches(_held_out(val_inputs, fmt, chat, bad), "val"))
+            tasks = itertools.chain(tasks, _batches(_held_out(val_inputs, fmt, chat, bad, columns), "val"))
         _check_tokenizer(tok, tokenizer, chat)
         dtype = np.dtype(np.uint16 if len(tok) < 2**16 else np.uint32)
         prefix = doc_prefix(tok)
@@ -203,6 +206,7 @@ def prepare(
             "tokenizer": tok_ref,
             "inputs": list(inputs),
             "val_inputs": list(val_inputs),
+            "columns": dict(columns or {}),
             "input_bytes": progress.n_bytes,
             "val_fraction": val_fraction,
             "split": SPLIT_GIVEN if val_inputs else SPLIT_HASHED,
@@ -254,10 +258,12 @@ def _chain(first: Doc, rest: Iterator[Doc]) -> Iterator[Doc]:
     yield from rest
 
 
-def _held_out(val_inputs: Sequence[str], fmt: Format, chat: bool, bad: _BadInput) -> Iterator[Doc]:
+def _held_out(
+    val_inputs: Sequence[str], fmt: Format, chat: bool, bad: _BadInput, columns: dict[str, str] | None = None
+) -> Iterator[Doc]:
     """The documents of ``--val-input``; they must be of the kind of ``--input``'s (chat or plain text). The first
     is read at once, so a missing or mismatched input fails before the train inputs are tokenized."""
-    docs = iter_docs(val_inputs, fmt, bad, flag="--val-input")
+    docs = iter_docs(val_inputs, fmt, bad, flag="--val-input", columns=columns)
     first = next(docs)
     if isinstance(first.value, str) == chat:
         kinds = ("plain text", "chat 'messages'")
@@ -421,6 +427,7 @@ def _train_tokenizer(
     skip_bad: bool,
     out: Path,
     tmp: Path,
+    columns: dict[str, str] | None = None,
 ) -> tuple[PreTrainedTokenizerBase, str]:
     """Train on the first ``sample_bytes`` of train documents (message contents for chat) into ``<out>/tokenizer``;
     with ``val_fraction`` None (a ``--val-input`` run) every document of ``inputs`` is a train document.
@@ -430,7 +437,7 @@ def _train_tokenizer(
 
     def texts() -> Iterator[str]:
         used = 0
-        for doc in iter_docs(inputs, fmt, on_bad=_BadInput(skip_bad)):
+        for doc in iter_docs(inputs, fmt, on_bad=_BadInput(skip_bad), columns=columns):
             if val_fraction is None or split_of(doc.value, seed, val_fraction) == "train":
                 yield doc_text(doc.value)
                 used += doc.nbytes
@@ -634,7 +641,7 @@ def _assistant_spans(tok: PreTrainedTokenizerBase, name: str, chat: Chat) -> tup
     full = render(chat)
     spans = []
     for i, message in enumerate(chat):
-        if message["role"] != "assistant":
+        if message["role"] != "assistant" or message.get(NOT_TRAINED):
             continue
         before, through = render(chat[:i], add_generation_prompt=True), render(chat[: i + 1])
         if not (through.startswith(before) and full.startswith(through)):

@@ -34,6 +34,7 @@ import torch
 from transformers import PreTrainedTokenizerBase
 
 from deepzero.data.dataset import META_FILE, PackedDataset, meta_header
+from deepzero.data.preference import PairEncoder
 from deepzero.data.sources import Chat, iter_records
 from deepzero.data.tokenizer import train_tokenizer_from_texts
 from deepzero.errors import UserError
@@ -99,36 +100,20 @@ def read_prompts(
             on_bad(err)
 
 
-class PromptEncoder:
-    """A prompt's rendered text and token ids, as TRL's ``GRPOTrainer`` tokenizes it."""
-
-    def __init__(self, tok: PreTrainedTokenizerBase, name: str, prefix: tuple[int, ...]) -> None:
-        self.tok, self.name, self.prefix = tok, name, prefix
+class PromptEncoder(PairEncoder):
+    """A prompt's rendered text and token ids, as TRL's ``GRPOTrainer`` tokenizes it (preference's renderer)."""
 
     def encode(self, prompt: Prompt) -> tuple[str, list[int]]:
         if isinstance(prompt.value, str):
-            text = prompt.value
-        else:
-            from jinja2.exceptions import TemplateError
-
-            if not getattr(self.tok, "chat_template", None):
-                raise UserError(
-                    f"--tokenizer {self.name}",
-                    "has no chat_template, so message-list prompts cannot be rendered",
-                    "use a chat model's tokenizer (data/tokenizer.py deepseek), or give string prompts",
-                )
-            try:
-                text = self.tok.apply_chat_template(prompt.value, tokenize=False, add_generation_prompt=True)
-            except TemplateError as err:
-                raise UserError(
-                    f"--tokenizer {self.name}",
-                    f"its chat template refused a prompt of {prompt.where} ({str(err).strip() or repr(err)})",
-                    "give the roles the template accepts (DeepSeek: system first, then user/assistant turns)",
-                ) from None
-        ids = self.tok(text, add_special_tokens=False)["input_ids"]
-        if self.prefix and tuple(ids[: len(self.prefix)]) != self.prefix:
-            ids = [*self.prefix, *ids]
-        return text, ids
+            return prompt.value, self.tokens(prompt.value)
+        if not getattr(self.tok, "chat_template", None):
+            raise UserError(
+                f"--tokenizer {self.name}",
+                "has no chat_template, so message-list prompts cannot be rendered",
+                "use a chat model's tokenizer (data/tokenizer.py deepseek), or give string prompts",
+            )
+        text = self.render(prompt.value, add_generation_prompt=True)
+        return text, self.tokens(text)
 
 
 def prepare_prompts(

@@ -27,7 +27,10 @@ Chat = list[dict[str, str]]
 Format = Literal["auto", "text", "chat"]
 OnBad = Callable[[UserError], None]
 _FIX_SPEC = "pass a .txt/.py/.md/.jsonl/.parquet file, a folder, 'stdlib', or hf:NAME[:split]"
-_FIX_RECORD = 'give each record "text": "..." or "messages": [{"role": ..., "content": ...}, ...]'
+_FIX_RECORD = (
+    'give each record "text": "...", "messages": [{"role": ..., "content": ...}, ...], or "prompt" and "completion"'
+    " (strings or message lists), or map your field names with --columns"
+)
 _FIX_BAD = "fix or remove it, or pass --skip-bad to skip (and count) bad input"
 _PARQUET_BATCH = 1024
 
@@ -176,20 +179,7 @@ def _raw_records(spec: str, on_bad: OnBad) -> Iterator[tuple[dict[str, Any], str
                     yield record, f"{path} row {row}", per_row
                     row += 1
             continue
-        with path.open("rb") as fh:
-            for lineno, raw in enumerate(fh, start=1):
-                if not raw.strip():
-                    continue
-                where = f"{path}:{lineno}"
-                try:
-                    record = json.loads(raw.decode("utf-8"))
-                except (UnicodeDecodeError, json.JSONDecodeError) as err:
-                    on_bad(UserError(where, f"line {lineno} is not valid JSON in UTF-8 ({err})", _FIX_BAD))
-                    continue
-                if not isinstance(record, dict):
-                    on_bad(UserError(where, f"line {lineno} is not a JSON object", _FIX_BAD))
-                    continue
-                yield record, where, len(raw)
+        yield from _jsonl_records(path, on_bad)
 
 
 def doc_text(value: str | Chat) -> str:
@@ -198,18 +188,23 @@ def doc_text(value: str | Chat) -> str:
 
 
 def iter_docs(
-    specs: Sequence[str], fmt: Format = "auto", on_bad: OnBad = raise_bad, flag: str = "--input"
+    specs: Sequence[str],
+    fmt: Format = "auto",
+    on_bad: OnBad = raise_bad,
+    flag: str = "--input",
+    columns: dict[str, str] | None = None,
 ) -> Iterator[Doc]:
     """Every non-empty document of the inputs, in order. ``auto`` is decided by the first document (chat when it
     carries ``messages``); a later record of the other kind is bad input. Raises if there is no document at all.
-    Errors about the inputs as a whole name ``flag`` (``--input``, or prepare's ``--val-input``)."""
+    Errors about the inputs as a whole name ``flag`` (``--input``, or prepare's ``--val-input``). ``columns``
+    (``--columns``) maps the fields read to the input's names (``{"text": "body"}``)."""
     if not specs:
         raise UserError(flag, "no inputs given", _FIX_SPEC)
     for spec in specs:  # missing paths fail before any reading
         input_files(spec, flag)
     kind: type | None = None
     for spec in specs:
-        for doc in _read_spec(spec, fmt, on_bad):
+        for doc in _read_spec(spec, fmt, on_bad, columns or {}):
             if not doc.value:
                 continue
             if kind is None:
@@ -235,16 +230,20 @@ def read_corpus(specs: Sequence[str], fmt: Format = "auto") -> Corpus:
     return Corpus(docs=docs, format="text" if isinstance(docs[0], str) else "chat")  # type: ignore[arg-type]
 
 
-def _read_spec(spec: str, fmt: Format, on_bad: OnBad) -> Iterator[Doc]:
+def _read_spec(spec: str, fmt: Format, on_bad: OnBad, columns: dict[str, str]) -> Iterator[Doc]:
     if spec.startswith("hf:"):
         name, _, split = spec[3:].partition(":")
-        yield from _hf_docs(name, split or "train", spec, fmt, on_bad)
+        yield from _hf_docs(name, split or "train", spec, fmt, on_bad, columns)
         return
     for f in input_files(spec):
         if f.suffix == ".jsonl":
-            yield from _jsonl_docs(f, fmt, on_bad)
+            for record, where, nbytes in _jsonl_records(f, on_bad):
+                try:
+                    yield Doc(_record_doc(rename(record, columns), where, fmt), where, nbytes)
+                except UserError as e:
+                    on_bad(e)
         elif f.suffix == ".parquet":
-            yield from _parquet_docs(f, fmt, on_bad)
+            yield from _parquet_docs(f, fmt, on_bad, columns)
         elif fmt == "chat":
             raise UserError(str(f), "a plain text file cannot be a chat", "use JSONL with a 'messages' field per line")
         else:
@@ -268,7 +267,9 @@ def _read_text(path: Path, strict: bool, on_bad: OnBad) -> str | None:
         return None
 
 
-def _jsonl_docs(path: Path, fmt: Format, on_bad: OnBad) -> Iterator[Doc]:
+def _jsonl_records(path: Path, on_bad: OnBad) -> Iterator[tuple[dict[str, Any], str, int]]:
+    """Each non-blank line of a JSONL file as ``(record, "path:line", bytes)``; a line that is not UTF-8, not JSON
+    or not an object goes to ``on_bad``."""
     try:
         fh = path.open("rb")
     except OSError as e:
@@ -281,19 +282,21 @@ def _jsonl_docs(path: Path, fmt: Format, on_bad: OnBad) -> Iterator[Doc]:
             where = f"{path}:{lineno}"
             try:
                 record = json.loads(raw.decode("utf-8"))
-                if not isinstance(record, dict):
-                    raise UserError(where, f"line {lineno} is not a JSON object", 'write one {"text": ...} per line')
-                yield Doc(_record_doc(record, where, fmt), where, len(raw))
             except UnicodeDecodeError as e:
                 on_bad(UserError(where, f"line {lineno} is not UTF-8 text ({e.reason} at byte {e.start})", _FIX_BAD))
+                continue
             except json.JSONDecodeError as e:
                 on_bad(UserError(where, f"line {lineno} is not valid JSON ({e.msg})", "fix or remove the line"))
-            except UserError as e:
-                on_bad(e)
+                continue
+            if not isinstance(record, dict):
+                on_bad(UserError(where, f"line {lineno} is not a JSON object", 'write one {"text": ...} per line'))
+                continue
+            yield record, where, len(raw)
 
 
-def _parquet_docs(path: Path, fmt: Format, on_bad: OnBad) -> Iterator[Doc]:
-    """Rows of the ``text``/``messages`` column, one record batch in memory at a time."""
+def _parquet_docs(path: Path, fmt: Format, on_bad: OnBad, columns: dict[str, str]) -> Iterator[Doc]:
+    """Rows of the ``text``/``messages`` (or ``prompt`` and ``completion``) columns, one record batch in memory at
+    a time."""
     import pyarrow.parquet as pq
 
     try:
@@ -301,23 +304,23 @@ def _parquet_docs(path: Path, fmt: Format, on_bad: OnBad) -> Iterator[Doc]:
     except (OSError, ValueError) as e:  # pyarrow's ArrowInvalid is a ValueError
         on_bad(UserError(str(path), f"cannot be read as parquet ({e})", _FIX_BAD))
         return
-    columns = set(pf.schema_arrow.names)
-    field = _pick_field(columns, fmt)
-    if field is None:
-        raise UserError(str(path), f"has no 'text' or 'messages' column (columns: {sorted(columns)})", _FIX_RECORD)
+    names = set(pf.schema_arrow.names)
+    fields = _pick_fields(set(rename(dict.fromkeys(names), columns)), fmt)
+    if fields is None:
+        raise UserError(str(path), f"has no {_wanted(fmt, 'column')} (columns: {sorted(names)})", _FIX_RECORD)
     per_row = path.stat().st_size // max(1, pf.metadata.num_rows)
     row = 0
-    for batch in pf.iter_batches(columns=[field], batch_size=_PARQUET_BATCH):
-        for value in batch.column(0).to_pylist():
+    for batch in pf.iter_batches(columns=[columns.get(f, f) for f in fields], batch_size=_PARQUET_BATCH):
+        for record in batch.to_pylist():
             where = f"{path} row {row}"
             row += 1
             try:
-                yield Doc(_record_doc({field: value}, where, fmt), where, per_row)
+                yield Doc(_record_doc(rename(record, columns), where, fmt), where, per_row)
             except UserError as e:
                 on_bad(e)
 
 
-def _hf_docs(name: str, split: str, where: str, fmt: Format, on_bad: OnBad) -> Iterator[Doc]:
+def _hf_docs(name: str, split: str, where: str, fmt: Format, on_bad: OnBad, columns: dict[str, str]) -> Iterator[Doc]:
     """A Hugging Face dataset in streaming mode: rows arrive as they are read, nothing is cached whole."""
     import datasets  # slow import: only when needed
 
@@ -329,13 +332,14 @@ def _hf_docs(name: str, split: str, where: str, fmt: Format, on_bad: OnBad) -> I
         raise UserError(where, f"could not load the dataset ({type(e).__name__}: {e})", _FIX_SPEC) from e
     if first is None:
         return
-    field = _pick_field(set(first), fmt)
-    if field is None:
-        raise UserError(where, f"has no 'text' or 'messages' column (columns: {sorted(first)})", _FIX_RECORD)
+    fields = _pick_fields(set(rename(first, columns)), fmt)
+    if fields is None:
+        raise UserError(where, f"has no {_wanted(fmt, 'column')} (columns: {sorted(first)})", _FIX_RECORD)
     for i, record in enumerate(_chain_first(first, rows)):
         row_where = f"{where} row {i}"
         try:
-            value = _record_doc({field: record.get(field)}, row_where, fmt)
+            renamed = rename(record, columns)
+            value = _record_doc({f: renamed.get(f) for f in fields}, row_where, fmt)
         except UserError as e:
             on_bad(e)
             continue
@@ -347,17 +351,34 @@ def _chain_first(first: Any, rest: Iterator[Any]) -> Iterator[Any]:
     yield from rest
 
 
-def _pick_field(keys: set[str], fmt: Format) -> str | None:
+_PROMPT_COMPLETION = ("prompt", "completion")
+
+
+def _pick_fields(keys: set[str], fmt: Format) -> tuple[str, ...] | None:
+    """The fields a record's document is read from: ``text`` or ``messages``, else for chat TRL's prompt-completion
+    layout (``prompt`` and ``completion``); None when the record has none of them."""
     order = {"auto": ("messages", "text"), "text": ("text",), "chat": ("messages",)}[fmt]
-    return next((k for k in order if k in keys), None)
+    field = next((k for k in order if k in keys), None)
+    if field is not None:
+        return (field,)
+    if fmt != "text" and set(_PROMPT_COMPLETION) <= keys:
+        return _PROMPT_COMPLETION
+    return None
+
+
+def _wanted(fmt: Format, kind: str) -> str:
+    """``'text' or 'messages' field (nor 'prompt' and 'completion')``: what a record of ``fmt`` lacks."""
+    names = {"auto": "'text' or 'messages'", "text": "'text'", "chat": "'messages'"}[fmt]
+    return f"{names} {kind}" + ("" if fmt == "text" else " (nor 'prompt' and 'completion')")
 
 
 def _record_doc(record: dict[str, Any], where: str, fmt: Format) -> str | Chat:
-    field = _pick_field(set(record), fmt)
-    wanted = {"auto": "'text' or 'messages'", "text": "'text'", "chat": "'messages'"}[fmt]
-    if field is None:
-        raise UserError(where, f"record has no {wanted} field (keys: {sorted(record)})", _FIX_RECORD)
-    value = record[field]
+    fields = _pick_fields(set(record), fmt)
+    if fields is None:
+        raise UserError(where, f"record has no {_wanted(fmt, 'field')} (keys: {sorted(record)})", _FIX_RECORD)
+    if fields == _PROMPT_COMPLETION:
+        return _prompt_completion(record["prompt"], record["completion"], where)
+    field, value = fields[0], record[fields[0]]
     if field == "text":
         if not isinstance(value, str):
             raise UserError(where, f"'text' is {type(value).__name__}, not a string", _FIX_RECORD)
@@ -365,6 +386,29 @@ def _record_doc(record: dict[str, Any], where: str, fmt: Format) -> str | Chat:
     if not isinstance(value, list) or not value or not all(_is_message(m) for m in value):
         raise UserError(where, "'messages' is not a non-empty list of {role, content} strings", _FIX_RECORD)
     return [{"role": m["role"], "content": m["content"]} for m in value]
+
+
+def _prompt_completion(prompt: Any, completion: Any, where: str) -> Chat:
+    """TRL's prompt-completion SFT record as a conversation: a string prompt is a user turn and a string completion
+    an assistant turn (message lists are kept). Only the completion is trained: the prompt's own assistant turns
+    (a multi-turn prompt) carry ``NOT_TRAINED``, which the chat path leaves out of the targets."""
+    turns = []
+    for name, value, role in (("prompt", prompt, "user"), ("completion", completion, "assistant")):
+        if isinstance(value, str) and value.strip():
+            turns.append([{"role": role, "content": value}])
+        elif isinstance(value, list) and value and all(_is_message(m) for m in value):
+            turns.append([{"role": m["role"], "content": m["content"]} for m in value])
+        else:
+            raise UserError(
+                where, f"'{name}' is neither a non-empty string nor a list of {{role, content}}", _FIX_RECORD
+            )
+    if not any(m["role"] == "assistant" for m in turns[1]):
+        raise UserError(where, "'completion' has no assistant message", 'give it {"role": "assistant", ...} turns')
+    return [{**m, NOT_TRAINED: True} if m["role"] == "assistant" else m for m in turns[0]] + turns[1]
+
+
+NOT_TRAINED = "not_trained"
+"""A message key set on a prompt-completion record's prompt turns: an assistant turn there is not a target."""
 
 
 def _is_message(m: Any) -> bool:
