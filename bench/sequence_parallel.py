@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import math
 import os
 import sys
 import tempfile
@@ -33,21 +34,24 @@ from bench.long_context import MALLOC_ENV, build, hwm_bytes, predicted_bytes, rs
 from bench.scaling import write_results  # noqa: E402
 
 
-def timed_gathers(sp: Any, seconds: list[float]) -> None:
-    """Add the time spent in the sequence all-gather's forward and backward to ``seconds[0]``."""
+def timed_gathers(sp: Any, seconds: list[float], values: list[float]) -> None:
+    """Add the time spent in the sequence all-gather's forward and backward to ``seconds[0]``, and each forward
+    gather's values per token of the gathered rows (``[batch, heads, seq, dim]``: heads × dim) to ``values[0]``."""
     gather = sp._GatherSequence
     forward, backward = gather.forward, gather.backward
 
-    def timed(fn: Any) -> Any:
+    def timed(fn: Any, count: bool) -> Any:
         def run(*args: Any) -> Any:
             start = time.perf_counter()
             out = fn(*args)
             seconds[0] += time.perf_counter() - start
+            if count:
+                values[0] += out.numel() / (out.shape[0] * out.shape[2])
             return out
 
         return staticmethod(run)
 
-    gather.forward, gather.backward = timed(forward), timed(backward)
+    gather.forward, gather.backward = timed(forward, True), timed(backward, False)
 
 
 def _rank(rank: int, spec: dict[str, Any], port: int, out: str) -> None:
@@ -69,21 +73,22 @@ def _rank(rank: int, spec: dict[str, Any], port: int, out: str) -> None:
         groups = sp.SequenceGroups(size, rank, dist.new_group(list(range(size))), 0, 1, None)
         sp.install(model, groups)
         batch = groups.shard(batch)
-    gathers = [0.0]
-    timed_gathers(sp, gathers)
+    gathers, values = [0.0], [0.0]
+    timed_gathers(sp, gathers, values)
 
     def step() -> None:
         lm_loss(model, batch, normalizer).backward()
 
     step()  # warm-up: gradients allocated
     dist.barrier()
-    gathers[0] = 0.0
+    gathers[0] = values[0] = 0.0
     Path("/proc/self/clear_refs").write_text("5")
     before = rss_bytes()
     start = time.perf_counter()
     step()
     seconds = time.perf_counter() - start
     result = {"rank": rank, "peak_bytes": hwm_bytes() - before, "step_s": seconds, "gather_s": gathers[0]}
+    result["gathered_values_per_token_layer"] = values[0] / spec["layers"]
     Path(out, f"rank{rank}.json").write_text(json.dumps(result))
     dist.destroy_process_group()
 
@@ -114,6 +119,10 @@ def run_case(spec: dict[str, Any]) -> dict[str, Any]:
         "tokens_per_s": spec["micro"] * spec["seq_len"] / step_s,
         "gather_share": max(r["gather_s"] for r in ranks) / step_s,
         "formula_bytes_per_rank": 2 * per_layer * spec["layers"] * spec["micro"],
+        "gathered_values_per_token_layer": ranks[0]["gathered_values_per_token_layer"],
+        "formula_values_per_token_layer": sp.gathered_values(config) if spec["size"] > 1 else 0,
+        "expanded_values_per_token_layer": math.prod(sp.attention_shape(config)[:2])
+        + math.prod(sp.attention_shape(config)[::2]),
     }
 
 
@@ -126,8 +135,9 @@ def report(rows: list[dict[str, Any]], title: str) -> str:
         f"# {title}",
         "",
         "| seq len | SP | tokens/s | peak per rank | vs SP 1 | planner | measured / planner |"
-        " all-gather bytes per rank (formula) | gather time share |",
-        "|---|---|---|---|---|---|---|---|---|",
+        " all-gather bytes per rank (formula) | gathered values per token per layer (measured / formula / expanded"
+        " k+v) | gather time share |",
+        "|---|---|---|---|---|---|---|---|---|---|",
     ]
     one = {r["seq_len"]: r for r in rows if r["size"] == 1}
     for r in rows:
@@ -136,7 +146,8 @@ def report(rows: list[dict[str, Any]], title: str) -> str:
             f"| {r['seq_len']} | {r['size']} | {r['tokens_per_s']:.0f} | {_mb(r['peak_bytes_per_rank'])} |"
             f" {ratio:.2f} | {_mb(r['predicted_bytes_per_rank'])} |"
             f" {r['peak_bytes_per_rank'] / r['predicted_bytes_per_rank']:.2f} |"
-            f" {_mb(r['formula_bytes_per_rank'])} | {r['gather_share']:.1%} |"
+            f" {_mb(r['formula_bytes_per_rank'])} | {r['gathered_values_per_token_layer']:.0f} /"
+            f" {r['formula_values_per_token_layer']} / {r['expanded_values_per_token_layer']} | {r['gather_share']:.1%} |"
         )
     return "\n".join(lines) + "\n"
 

@@ -108,7 +108,25 @@ def install(model: nn.Module, groups: SequenceGroups) -> nn.Module:
     model._whole_row_attention = config._attn_implementation
     config._attn_implementation = ATTENTION
     model._sequence_check = model.register_forward_hook(check_attention_used)
+    for module in model.modules():
+        if getattr(config, "kv_lora_rank", None) and callable(getattr(module, "expand_kv", None)):
+            module.expand_kv = _latent_gathered(module, module.expand_kv)
     return model
+
+
+def _latent_gathered(module: nn.Module, expand_kv: Any) -> Any:
+    """MLA's ``expand_kv`` (Transformers' DeepSeek V2/V3 attention: the compressed latent ``[b, 1, s, r]`` and the
+    rotated shared key ``[b, 1, s, rope]`` → every head's keys and values) on the group's gathered latent: the
+    all-gather moves ``r + rope`` values per token (576 for V2-Lite and V3) instead of every head's expanded keys and
+    values (16 × (192 + 128) = 5,120 for V2-Lite), and each rank expands the whole rows itself (``kv_b_proj`` on S
+    tokens instead of S/N). :func:`sequence_attention` then finds the keys already whole and gathers nothing."""
+
+    def gathered(kv_nope: torch.Tensor, k_rot: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        if module.config._attn_implementation != ATTENTION:  # a whole-row forward (the export's probe)
+            return expand_kv(kv_nope, k_rot)
+        return expand_kv(gather_sequence(kv_nope, _GROUP), gather_sequence(k_rot, _GROUP))
+
+    return gathered
 
 
 POSITION_DEPENDENT_ROPE = ("dynamic", "longrope")
@@ -344,7 +362,8 @@ def sequence_attention(
     if position_ids is None:
         raise RuntimeError("sequence-parallel attention needs the slice's position_ids (sequence_parallel.shard)")
     _CALLS += 1
-    key, value = gather_sequence(key, _GROUP), gather_sequence(value, _GROUP)
+    if key.shape[2] == query.shape[2]:  # this rank's slice (MLA's latent path gathered its rows already)
+        key, value = gather_sequence(key, _GROUP), gather_sequence(value, _GROUP)
     layout = row_layout(position_ids, _GROUP)
     outputs = []
     for first, end, row, first_key in layout.chunks:
@@ -374,7 +393,22 @@ def attention_shape(config: Any) -> tuple[int, int, int]:
     return config.num_key_value_heads or config.num_attention_heads, dim, dim
 
 
+def gathered_values(config: Any) -> int:
+    """Values per token the all-gather moves per layer: MLA's latent and rotated shared key (:func:`_latent_gathered`),
+    else every kv head's key and value."""
+    if getattr(config, "kv_lora_rank", None):
+        return config.kv_lora_rank + config.qk_rope_head_dim
+    heads, k_dim, v_dim = attention_shape(config)
+    return heads * (k_dim + v_dim)
+
+
 def gathered_bytes(config: Any, seq_len: int, size: int, element_bytes: int) -> int:
     """Bytes each rank receives per layer and row in the forward all-gather (the backward reduces as many)."""
+    return (size - 1) * (padded_length(seq_len, size) // size) * gathered_values(config) * element_bytes
+
+
+def whole_row_kv_bytes(config: Any, seq_len: int, size: int, element_bytes: int) -> int:
+    """Bytes of one layer's keys and values over a whole (padded) row, which every rank holds for its attention
+    (gathered, or for MLA expanded from the gathered latent)."""
     heads, k_dim, v_dim = attention_shape(config)
-    return (size - 1) * (seq_len // size) * (k_dim + v_dim) * heads * element_bytes
+    return padded_length(seq_len, size) * heads * (k_dim + v_dim) * element_bytes

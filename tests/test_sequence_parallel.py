@@ -117,6 +117,14 @@ def _worker(rank: int, port: int, out: str) -> None:
     alone = [dist.new_group([r]) for r in range(SIZE)][rank]
     groups = sp.SequenceGroups(SIZE, rank, group, 0, 1, None)
     sp.MASK_ELEMENTS = 2 * SEQ * 3  # chunks of 3 and 1 queries per piece: every piece's attention in uneven chunks
+    gathered: list[tuple[int, int]] = []  # (heads, values per head) of every all-gathered tensor
+    gather = sp.gather_sequence
+
+    def recording_gather(x: torch.Tensor, group: Any) -> torch.Tensor:
+        gathered.append((x.shape[1], x.shape[-1]))
+        return gather(x, group)
+
+    sp.gather_sequence = recording_gather
     results = {}
     for name, config in shapes().items():
         for variant in ("plain", *VARIANTS.get(name, ())):
@@ -143,7 +151,9 @@ def _worker(rank: int, port: int, out: str) -> None:
             else:
                 ref_loss, ref_grads = loss_and_grads(model, batch, items)
                 sp.install(model, groups)
+                gathered.clear()
                 loss, grads = loss_and_grads(model, groups.shard(batch), items)
+                extra = {"gathered_per_token": sorted({heads * dim for heads, dim in gathered})}
             total = torch.tensor([loss])
             dist.all_reduce(total, group=group)
             for g in grads.values():
@@ -185,6 +195,12 @@ def test_three_way_sequence_parallel_equals_one_rank_for_every_attention_shape(t
         for case, r in results.items():
             assert r["grads"], f"rank {rank} {case}: some parameter got no gradient"
             assert r["loss"] < TOL and r["grad"] < TOL, f"rank {rank} {case}: {r}"
+        for name in ("deepseek_v2", "deepseek_v3"):  # MLA moves its latent and rotated key, not every head's k/v
+            config = shapes()[name]
+            latent = [config.kv_lora_rank, config.qk_rope_head_dim]
+            assert results[f"{name}/plain"]["gathered_per_token"] == sorted(latent), (name, results[f"{name}/plain"])
+        qwen = shapes()["qwen2_12_2"]
+        assert results["qwen2_12_2/plain"]["gathered_per_token"] == [qwen.num_key_value_heads * qwen.head_dim]
         balance = results["deepseek_v3/balance"]
         assert balance["aux_moves_router"] > 100 * TOL, balance  # the balance loss is in the compared gradients
         assert balance["loads_equal"] and balance["bias_equal"] and balance["bias_moved"], balance
@@ -232,13 +248,23 @@ def test_rows_of_any_length_are_padded_to_the_cut_and_the_padding_is_masked() ->
     assert sp.whole_row(masks, dim=1)[:, ODD:].sum() == 0 and sp.whole_row(masks, dim=1)[:, :ODD].all()
 
 
-def test_cost_formula_counts_mla_keys_and_values_per_head() -> None:
+def test_cost_formula_counts_mla_latent_and_gqa_keys_and_values() -> None:
+    """What the all-gather moves per token and layer: MLA its latent + rotated shared key (V2-Lite: 512 + 64 = 576
+    values against 16 × (192 + 128) = 5,120 expanded), GQA every kv head's key and value; every rank still holds the
+    whole rows' expanded keys and values (``whole_row_kv_bytes``)."""
+    from deepzero.modeling import load_config, resolve_model
+
     v3 = tiny_models()["deepseek_v3"]
     heads, k_dim, v_dim = sp.attention_shape(v3)
     assert (k_dim, v_dim) == (v3.qk_nope_head_dim + v3.qk_rope_head_dim, v3.v_head_dim)
     assert heads == v3.num_attention_heads
+    assert sp.gathered_values(v3) == v3.kv_lora_rank + v3.qk_rope_head_dim
+    lite = load_config(resolve_model("deepseek-v2-lite"), False)
+    assert sp.gathered_values(lite) == 576 and sp.attention_shape(lite) == (16, 192, 128)
+    assert sp.gathered_bytes(lite, 4096, 3, 2) == 2 * 1366 * 576 * 2  # 4,096 padded to 4,098: slices of 1,366
     gqa = shapes()["qwen2_12_2"]
     assert sp.gathered_bytes(gqa, 96, 3, 2) == 2 * 32 * (8 + 8) * 2 * 2
+    assert sp.whole_row_kv_bytes(gqa, 94, 3, 2) == 96 * 2 * 16 * 2
 
 
 @pytest.fixture(scope="module")
