@@ -206,7 +206,10 @@ def test_columns_map_the_fields_of_chat_and_preference(tok_dir: Path, tmp_path: 
     prepare([str(plain)], tmp_path / "a", fmt="chat", **kwargs)
     meta = prepare([str(mine)], tmp_path / "b", fmt="chat", columns={"messages": "dialog"}, **kwargs)
     assert meta["columns"] == {"messages": "dialog"} and rows_of(tmp_path / "a") == rows_of(tmp_path / "b")
-    with pytest.raises(UserError, match=r"mine\.jsonl:1: record has no 'messages' field \(keys: \['dialog', 'id'\]\)"):
+    with pytest.raises(
+        UserError,
+        match=r"mine\.jsonl:1: record has no 'messages' field \(nor 'prompt' and 'completion'\) \(keys: \['dialog', 'id'\]\)",
+    ):
         prepare([str(mine)], tmp_path / "c", fmt="chat", **kwargs)
     pairs = [{"prompt": f"Say {i}.", "chosen": f"{i}.", "rejected": f"{i + 1}?"} for i in range(12)]
     renamed = [{"question": p["prompt"], "good": p["chosen"], "bad": p["rejected"]} for p in pairs]
