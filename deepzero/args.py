@@ -182,6 +182,26 @@ class TrainArgs:
             " <out>/reference/, the default) or adapters-off (with --lora: the model with its adapters switched off)."
         ),
     )
+    reward: list[str] = field(
+        default_factory=list,
+        **_help(
+            "GRPO (a prompts data folder, prepare --format prompts): a reward NAME[:weight] or path/file.py:function"
+            "[:weight], repeatable (docs/grpo.md)."
+        ),
+    )
+    num_generations: int = field(default=8, **_help("GRPO: completions sampled per prompt (G, a group)."))
+    max_completion_length: int = field(default=256, **_help("GRPO: most tokens a completion may have."))
+    temperature: float = field(default=1.0, **_help("GRPO: sampling temperature (the log-probs use it too)."))
+    top_p: float = field(default=1.0, **_help("GRPO: nucleus sampling, in (0, 1]."))
+    epsilon: float = field(default=0.2, **_help("GRPO: lower clip of the ratio (1 - epsilon)."))
+    epsilon_high: float | None = field(default=None, **_help("GRPO: upper clip (1 + epsilon_high; default epsilon)."))
+    loss_type: Literal["dapo", "grpo", "dr_grpo", "bnpo"] = field(
+        default="dapo", **_help("GRPO: how token losses are aggregated (TRL 1.16's loss_type; default dapo).")
+    )
+    scale_rewards: Literal["group", "batch", "none"] = field(
+        default="group", **_help("GRPO: advantages divided by the group's reward std, the batch's, or not.")
+    )
+    num_iterations: int = field(default=1, **_help("GRPO: optimizer steps per generation batch (mu)."))
     local_rank: int = field(default=-1, **_help("Set by the deepspeed launcher."))
 
     @property
@@ -243,7 +263,7 @@ def parse_args(argv: list[str] | None = None) -> TrainArgs:
     parser = HfArgumentParser(TrainArgs, description="Train a DeepSeek-family model with DeepSpeed ZeRO.")
     parser.error = _flag_error  # argparse prints usage and its own error line, then exits: make it ours
     for action in parser._actions:  # --ds a=1 --ds b=2 keeps both (argparse's nargs="+" keeps only the last)
-        if action.dest == "ds":
+        if action.dest in ("ds", "reward"):
             action.__class__ = argparse._ExtendAction
     (args, rest) = parser.parse_args_into_dataclasses(args=argv, return_remaining_strings=True)
     if rest:

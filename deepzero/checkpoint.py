@@ -251,7 +251,7 @@ def _write(engine: Any, ckpt_dir: Path, partial: Path, state: TrainState, rank: 
     """
     failure = _attempt(
         lambda: engine.save_checkpoint(
-            str(ckpt_dir), tag=partial.name, client_state=state.to_client_state(), save_latest=False
+            str(ckpt_dir), tag=partial.name, client_state=_client_state(engine, state), save_latest=False
         ),
         ckpt_dir,
     )
@@ -426,7 +426,17 @@ def load(engine: Any, ckpt_dir: Path, load_optimizer_states: bool = True) -> Tra
     rng_file = ckpt_dir / tag / f"rng_rank{rank:03d}.pt"
     if rng_file.is_file():
         _set_rng_state(torch.load(rng_file, weights_only=True))
+    objective = getattr(engine, "objective", None)
+    if hasattr(objective, "load_state_dict"):  # GRPO: the sampling RNG continues where it stopped
+        objective.load_state_dict((client_state or {}).get("objective", {}))
     return TrainState.from_client_state(client_state)
+
+
+def _client_state(engine: Any, state: TrainState) -> dict[str, Any]:
+    """What a checkpoint holds besides DeepSpeed's state: the loop's counters and the objective's own state."""
+    objective = getattr(engine, "objective", None)
+    extra = {"objective": objective.state_dict()} if hasattr(objective, "state_dict") else {}
+    return state.to_client_state() | extra
 
 
 def _restore_buffers(engine: Any, tag_dir: Path) -> None:

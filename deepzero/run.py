@@ -18,7 +18,18 @@ from typing import Any
 import torch
 from torch import nn
 
-from deepzero import checkpoint, dsconfig, engines, modeling, moe_balance, preemption, reference, report, universal
+from deepzero import (
+    checkpoint,
+    dsconfig,
+    engines,
+    grpo_plan,
+    modeling,
+    moe_balance,
+    preemption,
+    reference,
+    report,
+    universal,
+)
 from deepzero import sequence_parallel as sp
 from deepzero.args import TrainArgs
 from deepzero.data import PackedDataset, PreferenceDataset, check_enough_rows, load_meta, open_split
@@ -56,6 +67,10 @@ class RunPlan:
     """Tiled loss, offloaded checkpoints, tiled MLP (the long-sequence flags, the model and the sequence length)."""
     preference: PreferenceSettings | None = None
     """The preference loss of a preference data folder (None: the LM loss)."""
+    grpo: Any = None
+    """GRPO's settings for a prompts data folder (``deepzero.losses.grpo.GRPOSettings``; None: no GRPO)."""
+    rewards: Any = None
+    """GRPO's rewards (``deepzero.rewards.RewardSet``), parsed and imported at plan time."""
 
 
 @dataclass
@@ -124,11 +139,13 @@ def plan_run(args: TrainArgs, world: int) -> RunPlan:
         )
     balance = moe_balance.choose(config, args.moe_balance, args.moe_bias_rate, args.moe_aux_alpha)
     preference = plan_preference(args, meta)
-    settings = choose_engine(args, preference)
+    grpo, rewards = grpo_plan.plan(args, meta, config)
+    settings = grpo_plan.engine(choose_engine(args, preference), grpo, args.seed)
     sequence = sequence_size(settings)
     overrides = [*args.ds, f"sequence_parallel_size={sequence}"] if sequence > 1 else args.ds  # zero.Init reads it
     cfg = dsconfig.resolve(args.deepspeed_config, settings.dp_size(world), hints, overrides, precision=args.precision)
     settings.check_batch(cfg.batch)
+    grpo_plan.check_batch(grpo, cfg.batch)
     if cfg.precision_choice.changed:
         warn(f"{cfg.precision_choice.describe()}. Fix: pass --precision to choose another")
     if not source.random_init and (risk := fp16_risk(config, cfg.precision_choice, args.model)):
@@ -144,7 +161,7 @@ def plan_run(args: TrainArgs, world: int) -> RunPlan:
     tokenizer = plan_tokenizer(args, meta)
     vocab = len(tokenizer) if source.random_init else max(len(tokenizer), config.vocab_size)  # make_model's embedding
     train_data = open_split(args.data, "train", documents=args.packing == "documents", vocab_size=vocab)
-    check_enough_rows(len(train_data), cfg.batch.global_batch, "train")
+    check_enough_rows(len(train_data), cfg.batch.global_batch // (grpo.num_generations if grpo else 1), "train")
     val_data = usable_val_split(args, meta, cfg.batch, vocab)
     check_disk(args, config, cfg.precision)
     if args.resume:
@@ -164,7 +181,20 @@ def plan_run(args: TrainArgs, world: int) -> RunPlan:
     ):
         warn(warning)
     return RunPlan(
-        source, config, cfg, settings, lr_source, seq_len, train_data, val_data, tokenizer, balance, savers, preference
+        source,
+        config,
+        cfg,
+        settings,
+        lr_source,
+        seq_len,
+        train_data,
+        val_data,
+        tokenizer,
+        balance,
+        savers,
+        preference,
+        grpo,
+        rewards,
     )
 
 
@@ -181,6 +211,8 @@ def plan_preference(args: TrainArgs, meta: dict[str, Any]) -> PreferenceSettings
     section = dsconfig.owned_section(args.deepspeed_config, args.ds, PREFERENCE_SECTION)
     given = [PREFERENCE_KEYS[k] for k, v in flags.items() if v is not None]
     given += [f"{args.deepspeed_config}: {PREFERENCE_SECTION}"] * (section is not None)
+    if meta["format"] == "prompts":  # GRPO's KL coefficient is --beta too
+        given = [flag for flag in given if flag != "--beta"]
     if meta["format"] != "preference":
         if given:
             raise UserError(
@@ -310,6 +342,8 @@ def setup(args: TrainArgs) -> Run:
     torch.manual_seed(args.seed)
     engine = plan.engine_settings.build(partial(make_model, args, plan), plan.cfg.ds, plan.seq_len)
     reference_line = attach_reference(args, plan, engine)  # before any step or checkpoint: the starting weights
+    if plan.grpo is not None:  # the prompts, tokenizer and rewards; a frozen copy of the starting weights (beta > 0)
+        grpo_plan.attach(engine, plan, args.out_dir)
     balancer = moe_balance.attach(
         engine.model,
         plan.balance,

@@ -69,15 +69,17 @@ def micro_batches(run: Run) -> Iterator[Batch]:
     """This rank's micro-batches, starting at the first sample the checkpoint had not seen (any world size)."""
     b, engine = run.cfg.batch, run.engine
     start = universal.data_start_step(run.state.samples_seen, b.global_batch)
+    micro, accum, start = engine.objective.sampling(b.micro, b.accum, start)  # GRPO: a prompt batch per generation
     sampler = GlobalBatchSampler(
-        len(run.train_data), b.micro, b.accum, engine.dp_rank, engine.dp_size, run.args.seed, start_step=start
+        len(run.train_data), micro, accum, engine.dp_rank, engine.dp_size, run.args.seed, start_step=start
     )
     trace = os.environ.get(ROW_TRACE_ENV)
-    rows = traced_rows(sampler, Path(trace), start, b.accum, engine.dp_rank) if trace else sampler
+    rows = traced_rows(sampler, Path(trace), start, accum, engine.dp_rank) if trace else sampler
     loader = make_train_loader(run.train_data, rows, num_workers=1, pin_memory=engine.device.type == "cuda")
     batches = to_device(iter(loader), engine.device)
     if run.balancer is not None:  # it counts and balances only the real tokens (chat rows end in padding)
-        batches = run.balancer.watch(batches, padding_id(run.train_data.meta))
+        prompts = run.train_data.meta["format"] == "prompts"  # GRPO's completion rows: every token counted
+        batches = run.balancer.watch(batches, None if prompts else padding_id(run.train_data.meta))
     yield from batches  # closing this generator (fit) stops the loader's worker
 
 

@@ -24,7 +24,7 @@ from torch import nn
 from deepzero import modeling
 from deepzero import sequence_parallel as sp
 from deepzero.dsconfig import BatchMath
-from deepzero.engines.base import Batch, DeepSpeedBacked, ModelFactory, draw, mean_eval_loss
+from deepzero.engines.base import Batch, DeepSpeedBacked, ModelFactory, mean_eval_loss
 from deepzero.errors import UserError
 from deepzero.export import ExportReport, export_hf
 from deepzero.lora import LoraSpec, apply_lora, export_lora_hf
@@ -76,6 +76,8 @@ class ZeroEngine(DeepSpeedBacked):
         lora: LoraSpec | None = None,
         sequence_parallel: int = 1,
         preference: PreferenceSettings | None = None,
+        grpo: Any = None,
+        seed: int = 0,
     ) -> ZeroEngine:
         """Instantiate the model (partitioned at load under ZeRO-3), apply LoRA, wrap it in a DeepSpeed engine
         (with DeepSpeed's sequence-parallel groups as its ``mpu`` when ``sequence_parallel`` > 1)."""
@@ -97,7 +99,8 @@ class ZeroEngine(DeepSpeedBacked):
         engine, *_ = deepspeed.initialize(model=model, model_parameters=params, config=ds_config, mpu=mpu)
         factor = stage3_gradient_factor(engine.optimizer, params[0], sequence.size) if sequence and stage == 3 else 1.0
         exporter = export_lora_hf if lora is not None else export_hf
-        return cls(engine, model, exporter, keep_alive, partitioned, sequence, factor, build_objective(preference))
+        objective = build_objective(preference, grpo, seed)
+        return cls(engine, model, exporter, keep_alive, partitioned, sequence, factor, objective)
 
     def describe(self) -> str:
         where = "  partitioned at load" if self.partitioned_at_load else ""
@@ -115,7 +118,7 @@ class ZeroEngine(DeepSpeedBacked):
         """Under sequence parallelism the targets are counted on whole rows (once per sequence group) and each rank
         trains on its slice: DeepSpeed sums the slices' gradients over the group and averages over data parallel."""
         engine = self.engine
-        micro = draw(batches, engine.gradient_accumulation_steps())
+        micro = self.objective.rollout(engine, batches, engine.gradient_accumulation_steps())  # GRPO: generates
         group = self.sequence.dp_group if self.sequence else None
         normalizer = self.objective.normalizer(micro, self.dp_size, group)
         if self.sequence is not None:
@@ -134,6 +137,8 @@ class ZeroEngine(DeepSpeedBacked):
         return mean_eval_loss(self.engine, batches, self.objective)
 
     def export(self, tokenizer: Any, out_dir: Path, probe: Batch) -> ExportReport | None:
+        if "input_ids" not in probe:  # a prompts batch (GRPO): the probe is its first prompt
+            probe = {"input_ids": probe["prompt_ids"][:1, probe["prompt_mask"][0].bool()]}
         with sp.whole_rows(self.model):  # every rank runs the probe's whole row with the model's own attention
             return self._exporter(self.engine, tokenizer, out_dir, probe)
 
@@ -194,6 +199,10 @@ class ZeroSettings:
     """Ranks per sequence (``"sequence_parallel_size"``); the data-parallel size is world / this."""
     preference: PreferenceSettings | None = None
     """The preference loss of a preference data folder (None: the LM loss)."""
+    grpo: Any = None
+    """GRPO's settings for a prompts data folder (``deepzero.losses.grpo.GRPOSettings``; None: no GRPO)."""
+    seed: int = 0
+    """The run's seed (GRPO's sampling streams derive from it)."""
 
     def dp_size(self, world: int) -> int:
         if world % self.sequence_parallel:
@@ -210,7 +219,14 @@ class ZeroSettings:
 
     def build(self, build_model: ModelFactory, ds_config: dict[str, Any], seq_len: int) -> ZeroEngine:
         engine = ZeroEngine.build(
-            build_model, ds_config, self.gradient_checkpointing, self.lora, self.sequence_parallel, self.preference
+            build_model,
+            ds_config,
+            self.gradient_checkpointing,
+            self.lora,
+            self.sequence_parallel,
+            self.preference,
+            self.grpo,
+            self.seed,
         )
         engine.seq_len = seq_len
         return engine

@@ -292,7 +292,7 @@ class GRPO:
         error = None
         total, per_name = torch.zeros(0), {}
         try:
-            total, per_name = self.rewards.score(prompts, texts, completions, records)
+            total, per_name = self.rewards.score(prompts, texts, completions, records, index)
             if per_name:
                 all_none = torch.stack([v.float() for v in per_name.values()], 1).isnan().all(1)
                 total = total.float().masked_fill(all_none, float("nan"))

@@ -75,8 +75,26 @@ class Objective(Protocol):
 
     def to_json(self) -> dict[str, Any]: ...
 
+    def rollout(self, engine: Any, batches: Iterator[Batch], accum: int) -> list[Batch]:
+        """The step's ``accum`` micro-batches, drawn from ``batches`` (GRPO: completions of drawn prompts)."""
+        ...
 
-class LanguageModeling:
+    def sampling(self, micro: int, accum: int, start_step: int) -> tuple[int, int, int]:
+        """The data sampler's micro-batch, accumulation steps and start step for the batch math's ones."""
+        ...
+
+
+class Drawn:
+    """The micro-batches are the data's rows as drawn (LM and preference losses)."""
+
+    def rollout(self, engine: Any, batches: Iterator[Batch], accum: int) -> list[Batch]:
+        return [next(batches) for _ in range(accum)]
+
+    def sampling(self, micro: int, accum: int, start_step: int) -> tuple[int, int, int]:
+        return micro, accum, start_step
+
+
+class LanguageModeling(Drawn):
     """The causal-LM loss: mean cross-entropy over the global batch's target tokens (Transformers' own loss,
     given ``num_items_in_batch``, or the tiled loss installed on the model)."""
 
@@ -188,7 +206,7 @@ def _is_number(value: Any) -> bool:
     return isinstance(value, int | float) and not isinstance(value, bool)
 
 
-class Preference:
+class Preference(Drawn):
     """A preference loss over pairs: the mean over the global batch's pairs (see the module docstring)."""
 
     perplexity = False
@@ -359,6 +377,10 @@ def sequence_logps(model: Any, batch: Batch) -> tuple[torch.Tensor, torch.Tensor
     return torch.stack(rows), keep.sum(-1).float()
 
 
-def build_objective(preference: PreferenceSettings | None) -> Objective:
-    """The LM loss, or the preference loss ``preference`` names."""
+def build_objective(preference: PreferenceSettings | None, grpo: Any = None, seed: int = 0) -> Objective:
+    """The LM loss, the preference loss ``preference`` names, or GRPO (``grpo``: its settings)."""
+    if grpo is not None:
+        from deepzero.losses.grpo import GRPO
+
+        return GRPO(grpo, seed)
     return LanguageModeling() if preference is None else Preference(preference)

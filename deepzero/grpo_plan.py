@@ -1,0 +1,105 @@
+"""GRPO's part of planning and building a run: its settings from the flags, the rewards, the engine it runs on
+(the ZeRO engine, whole rows per rank), the batch it needs, and what its objective gets once the engine exists."""
+
+from __future__ import annotations
+
+import dataclasses
+from pathlib import Path
+from typing import Any
+
+from deepzero.args import TrainArgs
+from deepzero.dsconfig import BatchMath
+from deepzero.errors import UserError
+from deepzero.losses.grpo import GRPOSettings
+
+
+def plan(args: TrainArgs, meta: dict[str, Any], config: Any) -> tuple[GRPOSettings | None, Any]:
+    """GRPO's settings and rewards for a prompts data folder (None, None for any other data; --reward there is
+    refused). Every value is checked and the rewards imported here, before any weight is loaded."""
+    if meta["format"] != "prompts":
+        if args.reward:
+            raise UserError(
+                "--reward",
+                f"{args.data} holds {meta['format']} data, not prompts",
+                "prepare prompts with data/prepare.py --format prompts, or drop --reward",
+            )
+        return None, None
+    lora = args.lora is not None
+    beta = 0.0 if args.beta is None else args.beta
+    settings = GRPOSettings(
+        rewards=tuple(args.reward),
+        num_generations=args.num_generations,
+        max_completion_length=args.max_completion_length,
+        temperature=args.temperature,
+        top_p=args.top_p,
+        epsilon=args.epsilon,
+        epsilon_high=args.epsilon_high,
+        loss_type=args.loss_type,
+        beta=beta,
+        scale_rewards=args.scale_rewards,
+        num_iterations=args.num_iterations,
+        reference=("adapters-off" if lora else "frozen-copy") if beta else "none",
+    )
+    settings.check()
+    longest = int(meta.get("max_prompt_len", 0)) + settings.max_completion_length
+    if longest > config.max_position_embeddings:
+        raise UserError(
+            "--max-completion-length",
+            f"the longest prompt ({meta.get('max_prompt_len')}) + {settings.max_completion_length} completion tokens"
+            f" exceed the model's max_position_embeddings {config.max_position_embeddings}",
+            "pass a smaller --max-completion-length",
+        )
+    from deepzero.rewards import parse_rewards
+
+    rewards = parse_rewards(list(args.reward), settings.max_completion_length)
+    rewards.check_fields(meta.get("record_fields", []), args.data)
+    return settings, rewards
+
+
+def engine(settings: Any, grpo: GRPOSettings | None, seed: int) -> Any:
+    """The engine settings with GRPO in them: the ZeRO engine, whole rows per rank; others refused in one line."""
+    if grpo is None:
+        return settings
+    from deepzero.engines import ZeroSettings
+
+    if not isinstance(settings, ZeroSettings):
+        raise UserError(
+            "--data (prompts)",
+            "GRPO runs on the ZeRO engine only, not with a pipeline or --device-map",
+            "use a ZeRO preset (ds_configs/zero2.json or zero3.json) without --device-map",
+        )
+    if settings.sequence_parallel > 1:
+        raise UserError(
+            f"sequence_parallel_size {settings.sequence_parallel}",
+            "GRPO generates and scores whole completions on one rank",
+            "drop --sequence-parallel / sequence_parallel_size for a prompts data folder",
+        )
+    return dataclasses.replace(settings, grpo=grpo, seed=seed)
+
+
+def check_batch(grpo: GRPOSettings | None, batch: BatchMath) -> None:
+    """A rank's completions per step (micro × accumulation) hold whole groups: each group on one rank."""
+    if grpo is None:
+        return
+    per_rank = batch.micro * batch.accum
+    if per_rank % grpo.num_generations:
+        raise UserError(
+            f"--num-generations {grpo.num_generations}",
+            f"a rank's {per_rank} completions per step (micro {batch.micro} × accumulation {batch.accum}) do not"
+            " hold whole groups (each prompt's completions are generated and scored on one rank)",
+            f"pass --micro-batch × --grad-accum a multiple of {grpo.num_generations}",
+        )
+
+
+def attach(engine: Any, plan: Any, out_dir: Path) -> None:
+    """Give the GRPO objective its prompts (train and held-out), tokenizer, rewards and run folder; a ZeRO-3 full
+    fine-tuning run with beta > 0 (a frozen copy of partitioned weights) is refused."""
+    objective = engine.objective
+    if objective.settings.reference == "frozen-copy" and getattr(engine, "partitioned_at_load", False):
+        raise UserError(
+            "--beta",
+            "a frozen reference copy of ZeRO-3's partitioned weights is not supported",
+            "add --lora (the reference is the model with its adapters off), or train with ZeRO-2",
+        )
+    objective.attach(plan.train_data, plan.tokenizer, plan.rewards, out_dir, engine.model)
+    objective.data_eval = plan.val_data
