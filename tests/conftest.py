@@ -34,11 +34,6 @@ NATIVE_16BIT = DeviceKernels("cpu", "a test CPU", fp16=True, bf16=True, detail="
 """For in-process resolve() calls whose expectations must not depend on the machine: presets keep their types."""
 
 
-def seed_precision() -> str:
-    """The precision the fp16 seed preset (ds_configs/zero2.json) trains in on this machine's CPU."""
-    return "fp16" if CPU.fp16 else "fp32"
-
-
 def bf16_precision() -> str:
     """The precision the bf16 presets train in on this machine's CPU."""
     return "bf16" if CPU.bf16 else "fp32"

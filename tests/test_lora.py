@@ -10,7 +10,7 @@ from pathlib import Path
 
 import pytest
 import torch
-from conftest import launch, losses, records, seed_precision
+from conftest import fp16_env, launch, losses, records
 from deepspeed.utils.zero_to_fp32 import (
     get_fp32_state_dict_from_zero_checkpoint,
     get_model_state_files,
@@ -175,7 +175,7 @@ def test_peft_wraps_exactly_the_resolved_layers_and_merge_matches_the_adapters(t
 # ---------------------------------------------------------------- 3 ranks of train.py under the real launcher
 
 RUNS = {
-    # ZeRO-2 preset as shipped (fp16 where this CPU has native fp16 kernels, else fp32); every Linear spelled out
+    # ZeRO-2 preset as shipped, in fp16 on every CPU (native or faked: fp16_env); every Linear spelled out
     "zero2": ["--deepspeed_config", "ds_configs/zero2.json", "--lora", f"r={R},alpha=16,dropout=0.0,targets={','.join(ALL_LINEAR)}"],
     # ZeRO-3 (adapters added after zero.Init), groups incl. the fused routed experts, in fp32 so the merged export
     # must match the engine to rounding
@@ -198,14 +198,15 @@ SUMMARY = re.compile(
 
 
 def precision(name: str) -> str:
-    return seed_precision() if name == "zero2" else "fp32"
+    return "fp16" if name == "zero2" else "fp32"
 
 
 @pytest.fixture(scope="module", params=sorted(RUNS))
 def lora_run(request: pytest.FixtureRequest, tiny_data: Path, tmp_path_factory: pytest.TempPathFactory) -> tuple:
     """`deepspeed --num_gpus=3 train.py --lora ...` for STEPS steps: evaluated, logged and checkpointed every step."""
     out = tmp_path_factory.mktemp(f"lora_{request.param}") / "run"
-    proc = launch([*RUNS[request.param], "--data", str(tiny_data), "--out", str(out), *TRAIN], timeout=600)
+    env = fp16_env() if precision(request.param) == "fp16" else None
+    proc = launch([*RUNS[request.param], "--data", str(tiny_data), "--out", str(out), *TRAIN], env=env, timeout=600)
     return request.param, out, proc.stdout
 
 
