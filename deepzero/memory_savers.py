@@ -32,7 +32,12 @@ class MemorySavers:
     offload_checkpoints: bool = False
     """Checkpointed layer inputs live in host memory (torch's ``save_on_cpu`` around each checkpointed layer)."""
     mlp_tiles: int = 0
-    """Sequence tiles each dense MLP (and shared expert) runs in: ceil(seq_len / hidden), DeepSpeed's rule; 0 off."""
+    """Sequence tiles each dense MLP (and shared expert) runs in: ceil(seq_len / hidden), DeepSpeed's rule, or the
+    count asked, either rounded to the pieces torch.chunk makes of a row (``chunk_count``); 0 off."""
+    mlp_tiles_asked: int = 0
+    """The count before that rounding (the header says when it differs)."""
+    seq_len: int = 0
+    """The row length the count was rounded for."""
 
     @classmethod
     def choose(
@@ -53,15 +58,26 @@ class MemorySavers:
             )
         loss = TiledLoss.choose(args.tiled_loss, vocab_size or config.vocab_size, config.hidden_size)
         auto = {"on": math.ceil(seq_len / config.hidden_size), "off": 0}
-        tiles = auto[args.tiled_mlp] if args.tiled_mlp in auto else int(args.tiled_mlp)
-        return cls(loss, args.activation_offload, tiles if tiles > 1 else 0)
+        asked = auto[args.tiled_mlp] if args.tiled_mlp in auto else int(args.tiled_mlp)
+        tiles = chunk_count(seq_len, asked) if asked > 1 else 0
+        if tiles <= 1:
+            return cls(loss, args.activation_offload)
+        return cls(loss, args.activation_offload, tiles, asked, seq_len)
 
     def describe(self) -> str:
         """One header line."""
         parts = [self.loss.describe()]
         if self.offload_checkpoints:
             parts.append("checkpointed hidden states in host memory")
-        parts.append(f"MLP in {self.mlp_tiles} sequence tiles" if self.mlp_tiles else "MLP untiled")
+        if not self.mlp_tiles:
+            parts.append("MLP untiled")
+        elif self.mlp_tiles_asked not in (0, self.mlp_tiles):
+            parts.append(
+                f"MLP in {self.mlp_tiles} sequence tiles ({self.mlp_tiles_asked} asked: torch.chunk cuts a"
+                f" {self.seq_len:,}-token row into {self.mlp_tiles})"
+            )
+        else:
+            parts.append(f"MLP in {self.mlp_tiles} sequence tiles")
         return "; ".join(parts)
 
     def to_json(self) -> dict[str, Any]:
@@ -102,14 +118,28 @@ def is_mlp(module: nn.Module) -> bool:
     return type(module).__name__.endswith("MLP") and all(hasattr(module, n) for n in ("gate_proj", "down_proj"))
 
 
+def chunk_count(tokens: int, tiles: int) -> int:
+    """How many pieces ``torch.chunk`` cuts ``tokens`` rows into when asked for ``tiles``: pieces of
+    ceil(tokens / tiles) rows, so fewer when the last ones would be empty (4,096 tokens in 1,000 tiles: 820 of 5).
+
+    DeepSpeed's TiledMLP asks torch.chunk for ``shards`` pieces and marks the parameters' gradients ready for ZeRO
+    (``ds_grad_is_ready``) at piece number ``shards`` only; with fewer pieces that never happens and ZeRO leaves the
+    MLP's gradients out. A count torch.chunk makes of a row's tokens it also makes of any whole number of rows (the
+    flattened micro-batch its backward cuts)."""
+    if tokens < 1:
+        return tiles  # torch.chunk of nothing: ``tiles`` empty pieces
+    return math.ceil(tokens / math.ceil(tokens / tiles))
+
+
 def _tiled_forward(self: nn.Module, x: torch.Tensor) -> torch.Tensor:
     params = [p for p in self.parameters() if p.requires_grad]
-    return TiledMLP.apply(partial(type(self).forward), self, x, self._mlp_tiles, params)
+    shards = chunk_count(x.shape[-2], self._mlp_tiles)  # this call's row (a sequence-parallel piece is shorter)
+    return TiledMLP.apply(partial(type(self).forward), self, x, shards, params)
 
 
 def tile_mlps(model: nn.Module, tiles: int) -> int:
-    """Run every dense MLP of ``model`` in ``tiles`` sequence tiles (forward recomputed tile by tile in backward);
-    returns how many MLPs were tiled."""
+    """Run every dense MLP of ``model`` in ``tiles`` sequence tiles, or as many as torch.chunk makes of each call's
+    rows (``chunk_count``); the forward is recomputed tile by tile in backward. Returns how many MLPs were tiled."""
     mlps = [m for m in model.modules() if is_mlp(m)]
     for mlp in mlps:
         mlp._mlp_tiles = tiles

@@ -7,16 +7,20 @@ from __future__ import annotations
 
 import copy
 import json
+import math
 from pathlib import Path
+from types import SimpleNamespace
 
 import pytest
 import torch
 from conftest import launch, losses
+from hypothesis import given, settings
+from hypothesis import strategies as st
 from test_pipeline import tiny_models
 from test_tiled_loss import assert_same, batches, loss_and_grads, tiny
 
 from deepzero.losses import TiledLoss
-from deepzero.memory_savers import MemorySavers, is_mlp
+from deepzero.memory_savers import MemorySavers, is_mlp, tile_mlps
 
 
 @pytest.mark.parametrize("family", list(tiny_models()))
@@ -44,6 +48,57 @@ def test_offload_moves_the_checkpointed_hidden_states_off_the_device(monkeypatch
     model = MemorySavers(TiledLoss(False), offload_checkpoints=True).apply(tiny("llama"))
     model(**batches(128)[0], use_cache=False).loss.backward()
     assert seen.count((2, 40, model.config.hidden_size)) == model.config.num_hidden_layers
+
+
+def choose_tiles(tokens: int, asked: str, hidden: int = 64) -> MemorySavers:
+    flags = SimpleNamespace(
+        activation_offload=False, gradient_checkpointing=False, device_map=None, tiled_loss="off", tiled_mlp=asked
+    )
+    return MemorySavers.choose(flags, SimpleNamespace(vocab_size=128, hidden_size=hidden), tokens, pipeline=False)
+
+
+@settings(max_examples=300, deadline=None)
+@given(tokens=st.integers(1, 70_000), asked=st.integers(1, 5_000), hidden=st.integers(1, 4_096))
+def test_the_mlp_tile_count_is_the_one_torch_chunk_makes(tokens: int, asked: int, hidden: int) -> None:
+    """DeepSpeed's TiledMLP marks the gradients ready for ZeRO only after backward's piece number ``shards``; when
+    torch.chunk makes fewer pieces (4,096 tokens in 1,000 tiles: 820 pieces of 5) that piece never comes. So the
+    count a run tiles in is the one torch.chunk makes of its rows, for a number and for "on" alike."""
+    for flag, wanted in ((str(asked), asked), ("on", math.ceil(tokens / hidden))):
+        made = len(torch.chunk(torch.empty(tokens), wanted))
+        assert choose_tiles(tokens, flag, hidden).mlp_tiles == (made if made > 1 else 0), (tokens, flag)
+
+
+def test_a_rounded_tile_count_says_so_in_the_header() -> None:
+    savers = choose_tiles(4096, "1000")
+    assert savers.mlp_tiles == 820 and len(torch.chunk(torch.empty(4096), 1000)) == 820
+    assert "MLP in 820 sequence tiles (1000 asked: torch.chunk cuts a 4,096-token row into 820)" in savers.describe()
+    assert "asked" not in choose_tiles(4096, "1024").describe()
+
+
+@pytest.mark.parametrize(("shape", "tiles"), [((2, 4096, 8), 1000), ((1, 2048, 8), 820), ((2, 3, 8), 5)], ids=str)
+def test_a_tile_count_torch_chunk_cannot_make_still_gives_zero_every_gradient(
+    shape: tuple[int, int, int], tiles: int
+) -> None:
+    """Tiles asked of the MLP directly (as a sequence-parallel piece of a row gets them: 820 tiles fit 4,096 tokens,
+    not 2,048): the count handed to TiledMLP is the one torch.chunk makes of the call's rows, so its backward marks
+    every parameter ready for ZeRO at its last piece (``ds_grad_is_ready``, which ZeRO's gradient hooks wait for),
+    and the gradients are the untiled MLP's."""
+    from transformers import LlamaConfig
+    from transformers.models.llama.modeling_llama import LlamaMLP
+
+    torch.manual_seed(0)
+    plain = torch.nn.ModuleList([LlamaMLP(LlamaConfig(hidden_size=8, intermediate_size=16, num_attention_heads=2))])
+    tiled = copy.deepcopy(plain)
+    assert tile_mlps(tiled, tiles) == 1
+    x = torch.randn(shape)
+    grads = []
+    for model in (plain, tiled):
+        inp = x.clone().requires_grad_()
+        model[0](inp).square().sum().backward()
+        grads.append({"input": inp.grad, **{n: p.grad for n, p in model.named_parameters()}})
+    assert all(getattr(p, "ds_grad_is_ready", None) is True for p in tiled.parameters())
+    for name, grad in grads[0].items():  # fp32 sums in another order: within 1e-5 of the largest entry
+        assert (grads[1][name] - grad).abs().max() <= 1e-5 * grad.abs().max(), name
 
 
 def args(data: Path, out: Path, *extra: str) -> list[str]:
