@@ -15,7 +15,8 @@ assistant message each):
 A user's own: ``--reward path/to/file.py:function`` with TRL's signature ``f(prompts, completions, completion_ids,
 **columns) -> list[float | None]``: ``prompts`` the rendered prompt texts, ``completions`` the completion texts,
 ``completion_ids`` their token ids, and each record field as a keyword holding one value per completion (TRL
-passes dataset columns so). ``None`` means "does not apply": per TRL's rule the total is the sum of the weighted
+passes dataset columns so). Its metrics are named by the function, as TRL names a reward by its ``__name__``
+(``rewards/function/mean``); its errors name ``path/to/file.py:function``. ``None`` means "does not apply": per TRL's rule the total is the sum of the weighted
 rewards that are not ``None`` (``nansum``), and NaN where every reward is ``None``.
 
 Specs are checked when parsed (unknown name, missing file or function, bad weight: one line each), so a run fails
@@ -76,15 +77,23 @@ def _same(a: str, b: str) -> bool:
 
 @dataclass(frozen=True)
 class Reward:
-    """One ``--reward``: its name (a built-in, or ``file.py:function``), weight and function."""
+    """One ``--reward``: its name, weight and function, and the spec that names it in errors."""
 
     name: str
+    """The metric name (``rewards/{name}/mean``), TRL's ``reward_func.__name__`` rule: a built-in's name, or a
+    user's function name."""
     weight: float
     fn: Callable[..., Any]
     messages: bool
     """TRL's built-ins read ``completion[0]["content"]``: they get each completion as one assistant message."""
     needs: tuple[str, ...] = ()
     """Record fields it reads (one of them suffices)."""
+    source: str = ""
+    """What errors name: ``path/to/file.py:function`` for a user's reward (the name where empty)."""
+
+    @property
+    def where(self) -> str:
+        return self.source or self.name
 
 
 class RewardSet:
@@ -101,10 +110,10 @@ class RewardSet:
         for r in self.rewards:
             if r.needs and not set(r.needs) & set(fields):
                 raise UserError(
-                    f"--reward {r.name}",
+                    f"--reward {r.where}",
                     f"reads the records' {' or '.join(repr(n) for n in r.needs)} field, {where} has"
                     f" {sorted(fields) or 'no fields'}",
-                    f"prepare with --columns {r.needs[-1]}=YOUR_FIELD, or drop --reward {r.name}",
+                    f"prepare with --columns {r.needs[-1]}=YOUR_FIELD, or drop --reward {r.where}",
                 )
 
     def score(
@@ -157,14 +166,14 @@ class RewardSet:
             index = f"record {indices[i]}, " if indices is not None else ""
             return f"completion {i} of the batch ({index}prompt {start!r})"
 
-        where, fix = f"--reward {r.name}", f"fix {r.name} so that it returns one float or None per completion"
+        where, fix = f"--reward {r.where}", f"fix {r.where} so that it returns one float or None per completion"
         rows = list(range(len(completions)))
         for i in rows if r.needs else ():
             if all(columns.get(k, [None] * len(rows))[i] is None for k in r.needs):
                 raise UserError(
                     where,
                     f"{record(i)} has no {' or '.join(repr(k) for k in r.needs)} field",
-                    f"prepare the data with --columns {r.needs[-1]}=YOUR_FIELD, or drop --reward {r.name}",
+                    f"prepare the data with --columns {r.needs[-1]}=YOUR_FIELD, or drop --reward {r.where}",
                 )
         try:
             out = call(rows)
@@ -172,7 +181,7 @@ class RewardSet:
             first = next((i for i in rows if _raises(call, i)), None)
             at = record(first) if first is not None else f"a batch of {len(rows)} completions"
             raise UserError(
-                where, f"raised {type(err).__name__}: {err} on {at}", f"fix {r.name} for this input"
+                where, f"raised {type(err).__name__}: {err} on {at}", f"fix {r.where} for this input"
             ) from err
         if not isinstance(out, Sequence) or isinstance(out, str) or len(out) != len(rows):
             got = f"{len(out)} values" if isinstance(out, Sequence) else f"a {type(out).__name__}"
@@ -203,9 +212,16 @@ def parse_rewards(
     rewards = []
     for spec in specs:
         reward = _parse_one(spec, max_completion_length, soft_punish_cache)
-        if reward.name in (r.name for r in rewards):
+        if reward.where in (r.where for r in rewards):
             raise UserError(
-                f"--reward {spec}", f"{reward.name} is given twice", "give each reward once, with its weight"
+                f"--reward {spec}", f"{reward.where} is given twice", "give each reward once, with its weight"
+            )
+        if same := next((r for r in rewards if r.name == reward.name), None):
+            raise UserError(
+                f"--reward {spec}",
+                f"{same.where} is also named '{reward.name}' (a reward's metrics are named by its function,"
+                f" rewards/{reward.name}/mean)",
+                "rename one of the two functions",
             )
         rewards.append(reward)
     return RewardSet(rewards)
@@ -216,8 +232,8 @@ def _parse_one(spec: str, max_completion_length: int | None, cache: int | None) 
     if ".py:" in spec:
         path, _, rest = spec.partition(".py:")
         function, _, weight = rest.partition(":")
-        name = f"{path}.py:{function}"
-        return Reward(name, _weight(weight, where), _load(Path(f"{path}.py"), function, where), messages=False)
+        fn = _load(Path(f"{path}.py"), function, where)
+        return Reward(function, _weight(weight, where), fn, messages=False, source=f"{path}.py:{function}")
     name, _, weight = spec.partition(":")
     w = _weight(weight, where)
     if name == "accuracy":

@@ -79,7 +79,7 @@ def by_tests(prompts, completions, completion_ids, tests, **columns):
 """)  # fmt: skip
     records = [{"tests": ["think it", "5"], "answer": "x"}] * 5
     total, each = score([f"{path}:by_tests:2"], records)
-    assert each[f"{path}:by_tests"].tolist() == [0.0, 0.0, 1.0, 0.0, 0.0]
+    assert each["by_tests"].tolist() == [0.0, 0.0, 1.0, 0.0, 0.0]
     assert total.tolist() == [0.0, 0.0, 2.0, 0.0, 0.0]
 
 
@@ -92,7 +92,7 @@ def none(completions, **kw):
     return [None, None, 2.0, None, None]
 """)  # fmt: skip
     rewards = parse_rewards([f"{path}:some:0.5", f"{path}:none:-2", "think_format:3"])
-    assert rewards.names == [f"{path}:some", f"{path}:none", "think_format"]
+    assert rewards.names == ["some", "none", "think_format"]  # TRL's rule: a function's __name__
     records = [{}] * 5
     total, each = rewards.score(PROMPTS, COMPLETIONS, IDS, records)
     per = torch.stack(list(each.values()), dim=1)
@@ -167,6 +167,9 @@ def test_bad_specs_are_one_line_at_parse_time(tmp_path: Path) -> None:
     with pytest.raises(UserError, match=r"--reward exact:2: exact is given twice") as err:
         parse_rewards(["exact", "exact:2"])
     one_line(err)
+    other = write(tmp_path / "other.py", "def fine(completions, **kw):\n    return [1.0] * len(completions)\n")
+    with pytest.raises(UserError, match=r"other\.py:fine: .*ok\.py:fine is also named 'fine'.*rewards/fine/mean"):
+        parse_rewards([f"{good}:fine", f"{other}:fine"])
     with pytest.raises(UserError, match=r"--reward: no reward given") as err:
         parse_rewards([])
     rewards = parse_rewards(["exact", f"{good}:fine"])
