@@ -6,7 +6,7 @@
 
 Each case runs in a fresh process: the model (a preset's architecture, random init, fp32 on the CPU) with the
 technique installed the way train.py installs it (``deepzero.memory_savers.MemorySavers.apply``), one warm-up step
-(so that parameter gradients exist), then one measured step of the product's loss (``engines.base.lm_loss``) and
+(so that parameter gradients exist), then one measured step of the product's loss (``losses.lm.lm_loss``) and
 backward. Measured: the step's peak memory above what the process held before it — on the CPU the resident set's
 high-water mark (reset through /proc/self/clear_refs), on a GPU ``max_memory_allocated`` — against the planner's
 activation + logit terms for the same setup (``deepzero.plan``), and tokens/s. Techniques are cumulative:
@@ -97,7 +97,7 @@ def measure_one(spec: dict[str, Any]) -> dict[str, Any]:
     """One case, in this process: warm-up step, then the measured step's peak above the memory held before it."""
     import torch
 
-    from deepzero.engines.base import lm_loss
+    from deepzero.losses.lm import lm_loss
 
     device = spec["device"]
     model, savers, checkpointing = build(

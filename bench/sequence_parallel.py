@@ -6,7 +6,7 @@
 Each case is ``size`` gloo processes (1: the whole row on one rank; 3: one sequence group, each rank its slice,
 keys and values all-gathered as train.py runs it: ``deepzero.sequence_parallel.install`` and ``shard``), the model
 a preset's architecture (random init, fp32) with train.py's tiled loss, one warm-up step, then one measured step
-of the product's loss (``engines.base.lm_loss``) and backward. Measured per rank: the step's peak resident memory
+of the product's loss (``losses.lm.lm_loss``) and backward. Measured per rank: the step's peak resident memory
 above what the process held before it (``bench.long_context``'s high-water mark), the step's time, and the time
 inside the sequence all-gathers (forward gather, backward all-reduce; waits for the slowest rank included). Beside
 it, the formula's bytes per step: ``gathered_bytes`` × layers × rows, forward plus as many in backward.
@@ -59,7 +59,7 @@ def _rank(rank: int, spec: dict[str, Any], port: int, out: str) -> None:
     import torch.distributed as dist
 
     from deepzero import sequence_parallel as sp
-    from deepzero.engines.base import lm_loss
+    from deepzero.losses.lm import lm_loss
 
     torch.set_num_threads(1)
     size = spec["size"]

@@ -6,18 +6,43 @@ from __future__ import annotations
 import json
 import os
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import Any, Protocol
 
 import torch.distributed as dist
 from tqdm.auto import tqdm
 
 from deepzero.flops import count_params, routed_experts
 
-if TYPE_CHECKING:
-    from deepzero.run import Run
+
+class RunView(Protocol):
+    """What the header, the log records and the summary read of a run (``deepzero.run.Run`` has it): report
+    formats and writes, it never imports the run that calls it."""
+
+    args: Any
+    cfg: Any
+    engine: Any
+    train_data: Any
+    val_data: Any
+    state: Any
+    sink: Any
+    balancer: Any
+    savers: Any
+    history: list[dict[str, Any]]
+    lr_source: str
+    seq_len: int
+    world: int
+    flops_per_token: float
+    peak_tflops: float | None
+    reference_line: str | None
+
+    @property
+    def is_main(self) -> bool: ...
+
+    @property
+    def tokens_per_step(self) -> int: ...
 
 
-def train_record(run: Run, loss: float, steps: int, elapsed: float, peak_mem: tuple[float, str]) -> dict[str, Any]:
+def train_record(run: RunView, loss: float, steps: int, elapsed: float, peak_mem: tuple[float, str]) -> dict[str, Any]:
     """One logging point: global mean loss, lr, loss scale, grad norm, throughput, MFU, peak memory."""
     engine = run.engine
     tokens_per_s = steps * run.tokens_per_step / max(elapsed, 1e-9)
@@ -43,7 +68,7 @@ def train_record(run: Run, loss: float, steps: int, elapsed: float, peak_mem: tu
     return record
 
 
-def log(run: Run, record: dict[str, Any], bar: tqdm | None) -> None:
+def log(run: RunView, record: dict[str, Any], bar: tqdm | None) -> None:
     run.history.append(record)
     if not run.is_main:
         return
@@ -68,7 +93,7 @@ def write_run_config(out_dir: Path, run_config: dict[str, Any]) -> None:
     (out_dir / "run_config.json").write_text(json.dumps(run_config, indent=2, default=str))
 
 
-def print_header(run: Run, model_name: str) -> None:
+def print_header(run: RunView, model_name: str) -> None:
     model, cfg = run.engine.model, run.cfg
     counts = count_params(model)
     lines = [
@@ -119,7 +144,7 @@ def _sched_brief(ds: dict[str, Any]) -> str:
     return f"(warmup {params['warmup_num_steps']} steps{decay})" if "warmup_num_steps" in params else ""
 
 
-def print_summary(run: Run) -> None:
+def print_summary(run: RunView) -> None:
     train = [r for r in run.history if r["kind"] == "train"]
     evals = [r for r in run.history if r["kind"] == "eval"]
     parts = [f"done: {run.state.step} steps, {run.state.tokens_seen:,} tokens"]

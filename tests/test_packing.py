@@ -12,9 +12,9 @@ import torch
 from test_pipeline import tiny_models
 from transformers import AutoModelForCausalLM
 
-from deepzero.engines.base import lm_loss, loss_normalizer
 from deepzero.engines.layer_split import LayerSplitEngine, place_model
 from deepzero.engines.pipeline import sequential_forward, to_pipeline_layers
+from deepzero.losses.lm import lm_loss, loss_normalizer
 
 LENGTHS = (7, 12, 5)
 """Three documents in one row of 24 tokens."""

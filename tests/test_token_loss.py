@@ -15,7 +15,7 @@ from safetensors.torch import load_file
 from transformers import AutoConfig, AutoModelForCausalLM
 
 from deepzero.data import GlobalBatchSampler, PackedDataset
-from deepzero.engines.base import lm_loss, loss_normalizer
+from deepzero.losses.lm import lm_loss, loss_normalizer
 
 pytestmark = pytest.mark.launcher
 

@@ -34,6 +34,18 @@ from transformers import PreTrainedTokenizerBase
 from deepzero.data.dataset import MASK_START, MASK_TARGET, META_FILE, PackedDataset, meta_header
 from deepzero.data.sources import Chat, input_files, iter_records
 from deepzero.data.tokenizer import train_tokenizer_from_texts
+from deepzero.data.writer import (
+    BadInput,
+    Layout,
+    ShardWriter,
+    check_rows,
+    check_tokenizer,
+    doc_prefix,
+    publish,
+    remove_stale_temps,
+    split_of,
+    tokenizer_ref,
+)
 from deepzero.errors import UserError
 
 FORMAT = "preference"
@@ -187,12 +199,11 @@ def prepare_pairs(
 ) -> dict[str, Any]:
     """Write ``out`` (rows in pairs, see the module docstring) and return its meta.json contents. With ``val_inputs``
     (``--val-input``) val is their pairs and train every pair of ``inputs``; else a pair's hash decides."""
-    from deepzero.data import prepare as p
 
     start = time.perf_counter()
-    bad = p._BadInput(skip_bad)
+    bad = BadInput(skip_bad)
     out.parent.mkdir(parents=True, exist_ok=True)
-    p._remove_stale_temps(out)
+    remove_stale_temps(out)
     tmp = out.parent / f".{out.name}.tmp-{os.getpid()}"
     shutil.rmtree(tmp, ignore_errors=True)
     tmp.mkdir()
@@ -205,13 +216,13 @@ def prepare_pairs(
                 f"--input {' '.join(inputs)}", f"holds {len(pairs)} usable pair(s)", "pass at least two pairs"
             )
         if tok is None:
-            texts = (pair.text() for pair, to in pairs if (to or p.split_of(pair.key(), seed, val_fraction)) == "train")
+            texts = (pair.text() for pair, to in pairs if (to or split_of(pair.key(), seed, val_fraction)) == "train")
             tok = train_tokenizer_from_texts(texts, vocab_size, tmp / "tokenizer")
             tok_ref = str(out.resolve() / "tokenizer")
         else:
-            tok_ref = p._tokenizer_ref(tokenizer, out, tmp)
-        p._check_tokenizer(tok, tokenizer, chat=True)
-        encoder = PairEncoder(tok, tokenizer, p.doc_prefix(tok))
+            tok_ref = tokenizer_ref(tokenizer, out, tmp)
+        check_tokenizer(tok, tokenizer, chat=True)
+        encoder = PairEncoder(tok, tokenizer, doc_prefix(tok))
         pad = tok.pad_token_id if tok.pad_token_id is not None else tok.eos_token_id
         row_len = seq_len + 1
         rows: dict[str, list[tuple[np.ndarray, np.ndarray]]] = {"train": [], "val": []}
@@ -232,7 +243,7 @@ def prepare_pairs(
                     raise
                 bad(err)
                 continue
-            split = to or p.split_of(pair.key(), seed, val_fraction)
+            split = to or split_of(pair.key(), seed, val_fraction)
             rows[split].extend(encoded)
             tokens[split] += sum(len(ids) for ids, _ in encoded)
             targets[split] += sum(int((mask & MASK_TARGET).sum()) for _, mask in encoded)
@@ -244,12 +255,12 @@ def prepare_pairs(
         dtype = np.dtype(np.uint16 if len(tok) < 2**16 else np.uint32)
         shards = {}
         for split, seqs in rows.items():
-            p._check_rows(len(seqs), split, row_len)
+            check_rows(len(seqs), split, row_len)
             ids = np.full((len(seqs), row_len), pad, dtype=dtype)
             mask = np.zeros((len(seqs), row_len), dtype=np.uint8)
             for i, (seq, bits) in enumerate(seqs):
                 ids[i, : len(seq)], mask[i, : len(bits)] = seq, bits
-            writer = p._ShardWriter(p._Layout(tmp, row_len, dtype, len(seqs)), split, with_mask=True)
+            writer = ShardWriter(Layout(tmp, row_len, dtype, len(seqs)), split, with_mask=True)
             writer.write(ids, mask)
             writer.close()
             shards[split] = writer.shards
@@ -276,7 +287,7 @@ def prepare_pairs(
             "seconds": round(time.perf_counter() - start, 2),
         }
         (tmp / META_FILE).write_text(json.dumps(meta, indent=2) + "\n")
-        p._publish(tmp, out)
+        publish(tmp, out)
     finally:
         shutil.rmtree(tmp, ignore_errors=True)
     print(

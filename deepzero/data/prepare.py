@@ -43,7 +43,7 @@ from concurrent.futures import Future, ProcessPoolExecutor
 from concurrent.futures.process import BrokenProcessPool
 from dataclasses import dataclass, field, replace
 from pathlib import Path
-from typing import Any, BinaryIO, NoReturn
+from typing import Any, NoReturn
 
 import numpy as np
 from jinja2.exceptions import TemplateError
@@ -57,8 +57,6 @@ from deepzero.data.dataset import (
     META_FILE,
     load_meta,
     meta_header,
-    shard_files,
-    shard_name,
 )
 from deepzero.data.sources import (
     NOT_TRAINED,
@@ -72,6 +70,20 @@ from deepzero.data.sources import (
     parse_columns,
 )
 from deepzero.data.tokenizer import train_tokenizer_from_texts
+from deepzero.data.writer import (
+    SPLIT_GIVEN,
+    SPLIT_HASHED,
+    BadInput,
+    Layout,
+    ShardWriter,
+    check_rows,
+    check_tokenizer,
+    doc_prefix,
+    publish,
+    remove_stale_temps,
+    split_of,
+    tokenizer_ref,
+)
 from deepzero.errors import UserError
 
 BATCH_BYTES = 1 << 20
@@ -85,7 +97,6 @@ FORMATS = ("auto", "text", "chat", "preference", "prompts")
 TOKENIZER_SAMPLE_MB = 64
 _FLUSH_TOKENS = 1 << 22
 _TOKENIZER_SUFFIXES = frozenset({".json", ".jinja", ".txt", ".model", ".tiktoken"})
-_SKIPPED_LISTED = 10
 _DOC_LAYOUT = "tokenizer prefix + ids + eos"
 """What a text document becomes; part of the fingerprint, so data prepared before the prefix is rebuilt."""
 
@@ -165,11 +176,11 @@ def prepare(
         )
     total_bytes = input_bytes([*inputs, *val_inputs])
     out.parent.mkdir(parents=True, exist_ok=True)
-    _remove_stale_temps(out)
+    remove_stale_temps(out)
     tmp = out.parent / f".{out.name}.tmp-{os.getpid()}"
     shutil.rmtree(tmp, ignore_errors=True)
     tmp.mkdir()
-    bad = _BadInput(skip_bad)
+    bad = BadInput(skip_bad)
     try:
         if loaded is None:
             sample = int(tokenizer_sample_mb * 2**20)
@@ -177,18 +188,18 @@ def prepare(
                 inputs, fmt, seed, val_fraction, vocab_size, sample, skip_bad, out, tmp, columns
             )
         else:
-            tok, tok_ref = loaded, _tokenizer_ref(tokenizer, out, tmp)
+            tok, tok_ref = loaded, tokenizer_ref(tokenizer, out, tmp)
         docs = iter_docs(inputs, fmt, bad, columns=columns)
         first = next(docs)
         chat = not isinstance(first.value, str)
         tasks = _batches(_chain(first, docs), None if val_fraction is not None else "train")
         if val_inputs:
             tasks = itertools.chain(tasks, _batches(_held_out(val_inputs, fmt, chat, bad, columns), "val"))
-        _check_tokenizer(tok, tokenizer, chat)
+        check_tokenizer(tok, tokenizer, chat)
         dtype = np.dtype(np.uint16 if len(tok) < 2**16 else np.uint32)
         prefix = doc_prefix(tok)
         encoder = _Encoder(tok, tokenizer, chat, seed, val_fraction, dtype.name, prefix)
-        layout = _Layout(tmp, seq_len + 1, dtype, max(1, int(shard_mb * 2**20) // ((seq_len + 1) * dtype.itemsize)))
+        layout = Layout(tmp, seq_len + 1, dtype, max(1, int(shard_mb * 2**20) // ((seq_len + 1) * dtype.itemsize)))
         pad = tok.pad_token_id if tok.pad_token_id is not None else tok.eos_token_id
         with _Progress(total_bytes) as progress:
             stats = _write_splits(tasks, encoder, workers, layout, chat, pad, progress, given_val=bool(val_inputs))
@@ -218,39 +229,11 @@ def prepare(
             "stream_cpu_seconds": round(progress.cpu_seconds, 2),
         }
         (tmp / META_FILE).write_text(json.dumps(meta, indent=2) + "\n")
-        _publish(tmp, out)
+        publish(tmp, out)
     finally:
         shutil.rmtree(tmp, ignore_errors=True)
     print(_summary(meta, out, progress, workers))
     return meta
-
-
-def doc_prefix(tok: PreTrainedTokenizerBase) -> tuple[int, ...]:
-    """The ids the tokenizer puts before a text's own tokens when it adds its special tokens (its post-processor,
-    set by ``add_bos_token``): ``(bos,)`` for DeepSeek's, ``()`` for a tokenizer that adds none."""
-    probe = "a"
-    plain = tok(probe, add_special_tokens=False)["input_ids"]
-    full = tok(probe, add_special_tokens=True)["input_ids"]
-    for i in range(len(full) - len(plain) + 1):
-        if full[i : i + len(plain)] == plain:
-            return tuple(full[:i])
-    return ()
-
-
-SPLIT_HASHED = "val when blake2b(key=str(seed), content) as a fraction of 2**64 < val_fraction"
-SPLIT_GIVEN = "val = every document of val_inputs (--val-input), train = every document of inputs"
-"""meta.json's ``split``: where the val split came from (with ``val_inputs`` and ``val_fraction`` beside it)."""
-
-
-def split_of(value: str | Chat, seed: int, val_fraction: float) -> str:
-    """``"val"`` when the document's hash under ``seed`` falls below ``val_fraction``, else ``"train"``."""
-    digest = hashlib.blake2b(_doc_key(value), digest_size=8, key=str(seed).encode()).digest()
-    return "val" if int.from_bytes(digest, "little") < val_fraction * 2**64 else "train"
-
-
-def _doc_key(value: str | Chat) -> bytes:
-    text = value if isinstance(value, str) else json.dumps(value, sort_keys=True, ensure_ascii=False)
-    return text.encode("utf-8", "surrogatepass")
 
 
 def _chain(first: Doc, rest: Iterator[Doc]) -> Iterator[Doc]:
@@ -259,7 +242,7 @@ def _chain(first: Doc, rest: Iterator[Doc]) -> Iterator[Doc]:
 
 
 def _held_out(
-    val_inputs: Sequence[str], fmt: Format, chat: bool, bad: _BadInput, columns: dict[str, str] | None = None
+    val_inputs: Sequence[str], fmt: Format, chat: bool, bad: BadInput, columns: dict[str, str] | None = None
 ) -> Iterator[Doc]:
     """The documents of ``--val-input``; they must be of the kind of ``--input``'s (chat or plain text). The first
     is read at once, so a missing or mismatched input fails before the train inputs are tokenized."""
@@ -383,24 +366,6 @@ def _files_intact(out: Path) -> bool:
     return True
 
 
-def _remove_stale_temps(out: Path) -> None:
-    """Delete temp folders of earlier runs into ``out`` that were killed (their process is gone)."""
-    for tmp in out.parent.glob(f".{out.name}.tmp-*"):
-        pid = tmp.name.rsplit("-", 1)[-1]
-        if pid.isdigit() and not _alive(int(pid)):
-            shutil.rmtree(tmp, ignore_errors=True)
-
-
-def _alive(pid: int) -> bool:
-    try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
-        return False
-    except PermissionError:
-        return True
-    return True
-
-
 def _load_tokenizer(spec: str) -> PreTrainedTokenizerBase:
     """Load a saved tokenizer folder or a hub id; a path that is not a folder fails at once (no hub retries)."""
     looks_local = spec.startswith((".", "/", "~")) or spec.count("/") > 1 or Path(spec).exists()
@@ -437,7 +402,7 @@ def _train_tokenizer(
 
     def texts() -> Iterator[str]:
         used = 0
-        for doc in iter_docs(inputs, fmt, on_bad=_BadInput(skip_bad), columns=columns):
+        for doc in iter_docs(inputs, fmt, on_bad=BadInput(skip_bad), columns=columns):
             if val_fraction is None or split_of(doc.value, seed, val_fraction) == "train":
                 yield doc_text(doc.value)
                 used += doc.nbytes
@@ -450,43 +415,7 @@ def _train_tokenizer(
     return tok, ref
 
 
-def _tokenizer_ref(spec: str, out: Path, tmp: Path) -> str:
-    """What meta.json records: the absolute folder, or the hub id. A folder inside ``out`` is carried over."""
-    path = Path(spec).expanduser().resolve()
-    if not path.is_dir():
-        return spec
-    if path.is_relative_to(out.resolve()):  # lives in the folder about to be replaced
-        shutil.copytree(path, tmp / path.relative_to(out.resolve()))
-    return str(path)
-
-
-def _check_tokenizer(tok: PreTrainedTokenizerBase, name: str, chat: bool) -> None:
-    if chat and not getattr(tok, "chat_template", None):
-        raise UserError(
-            f"--tokenizer {name}",
-            "has no chat_template, so chat 'messages' cannot be rendered",
-            "use --tokenizer train (it has a chat template), a chat/instruct model's tokenizer, "
-            "or set chat_template in its tokenizer_config.json",
-        )
-    if not chat and tok.eos_token_id is None:
-        raise UserError(f"--tokenizer {name}", "has no eos token to separate documents", "use one with an eos_token")
-
-
 # --- bad input and progress ----------------------------------------------------------------------------------------
-
-
-class _BadInput:
-    """``on_bad`` for the readers: raise (default), or with ``--skip-bad`` count and list the first few."""
-
-    def __init__(self, skip: bool) -> None:
-        self.skip, self.count, self.listed = skip, 0, []
-
-    def __call__(self, err: UserError) -> None:
-        if not self.skip:
-            raise err
-        self.count += 1
-        if len(self.listed) < _SKIPPED_LISTED:
-            self.listed.append(f"{err.where}: {err.problem}")
 
 
 class _Progress:
@@ -730,61 +659,10 @@ def _result(future: Future) -> tuple[int, dict[str, _Encoded]]:
 # --- writing rows into shards --------------------------------------------------------------------------------------
 
 
-@dataclass(frozen=True)
-class _Layout:
-    """Where and how rows are written: the folder, the row length and dtype, and rows per shard."""
-
-    folder: Path
-    row_len: int
-    dtype: np.dtype
-    shard_rows: int
-
-
-class _ShardWriter:
-    """Writes one split's rows (and chat masks) into ``{split}-NNNNN.bin`` shards of ``shard_rows`` rows at most."""
-
-    def __init__(self, layout: _Layout, split: str, with_mask: bool) -> None:
-        self.layout, self.split, self.with_mask = layout, split, with_mask
-        self.shards: list[dict[str, Any]] = []
-        self.files: tuple[BinaryIO, BinaryIO | None] | None = None
-
-    @property
-    def n_rows(self) -> int:
-        return sum(s["rows"] for s in self.shards)
-
-    def write(self, rows: np.ndarray, mask: np.ndarray | None = None) -> None:
-        """Append ``rows`` (``[n, row_len]``) and their mask rows."""
-        lo = 0
-        while lo < len(rows):
-            if self.files is None or self.shards[-1]["rows"] == self.layout.shard_rows:
-                self._next_shard()
-            take = min(len(rows) - lo, self.layout.shard_rows - self.shards[-1]["rows"])
-            tokens_fh, mask_fh = self.files
-            tokens_fh.write(rows[lo : lo + take].astype(self.layout.dtype, copy=False).tobytes())
-            if mask_fh is not None:
-                mask_fh.write(mask[lo : lo + take].astype(np.uint8, copy=False).tobytes())
-            self.shards[-1]["rows"] += take
-            lo += take
-
-    def _next_shard(self) -> None:
-        self.close()
-        name = shard_name(self.split, len(self.shards))
-        tokens, mask = shard_files(self.layout.folder, name)
-        self.files = (tokens.open("wb"), mask.open("wb") if self.with_mask else None)
-        self.shards.append({"file": name, "rows": 0})
-
-    def close(self) -> None:
-        if self.files is not None:
-            for fh in self.files:
-                if fh is not None:
-                    fh.close()
-            self.files = None
-
-
 class _TextRows:
     """Concatenates documents (eos already appended) and cuts the stream into rows; the last partial row is dropped."""
 
-    def __init__(self, writer: _ShardWriter) -> None:
+    def __init__(self, writer: ShardWriter) -> None:
         self.writer, self.row_len = writer, writer.layout.row_len
         self.parts: list[np.ndarray] = []
         self.buffered = self.n_tokens = 0
@@ -817,7 +695,7 @@ class _TextRows:
 class _ChatRows:
     """Packs whole conversations into rows; a row is padded (mask 0) when the next does not fit."""
 
-    def __init__(self, writer: _ShardWriter, pad: int) -> None:
+    def __init__(self, writer: ShardWriter, pad: int) -> None:
         self.writer, self.row_len, self.pad = writer, writer.layout.row_len, pad
         self.ids: list[np.ndarray] = []
         self.masks: list[np.ndarray] = []
@@ -877,7 +755,7 @@ def _write_splits(
     tasks: Iterable[_Task],
     encoder: _Encoder,
     workers: int,
-    layout: _Layout,
+    layout: Layout,
     chat: bool,
     pad: int,
     progress: _Progress,
@@ -887,7 +765,7 @@ def _write_splits(
     ``given_val`` (``--val-input``) no train document is moved to val."""
     stats = {s: SplitStats() for s in ("train", "val")}
     rows = {
-        s: (_ChatRows(_ShardWriter(layout, s, True), pad) if chat else _TextRows(_ShardWriter(layout, s, False)))
+        s: (_ChatRows(ShardWriter(layout, s, True), pad) if chat else _TextRows(ShardWriter(layout, s, False)))
         for s in stats
     }
     held = _Holdback(layout.row_len, chat)
@@ -913,29 +791,11 @@ def _write_splits(
         rows[split].finish(stats[split])
         stats[split].shards = rows[split].writer.shards
         fix = "add documents to --val-input, or lower --seq-len" if given_val and split == "val" else None
-        _check_rows(stats[split].n_rows, split, layout.row_len, fix)
+        check_rows(stats[split].n_rows, split, layout.row_len, fix)
     return stats
 
 
-def _check_rows(n_rows: int, split: str, row_len: int, fix: str | None = None) -> None:
-    if n_rows == 0:
-        raise UserError(
-            f"{split} split",
-            f"holds less than one row of {row_len} tokens",
-            fix or "add data, raise --val-fraction (for val), or lower --seq-len",
-        )
-
-
 # --- publishing and reporting ----------------------------------------------------------------------------------------
-
-
-def _publish(tmp: Path, out: Path) -> None:
-    """Swap the finished temp folder into place (the old output, if any, is removed only afterwards)."""
-    old = out.parent / f".{out.name}.old-{os.getpid()}"
-    if out.exists():
-        out.rename(old)
-    tmp.rename(out)
-    shutil.rmtree(old, ignore_errors=True)
 
 
 def _summary(meta: dict[str, Any], out: Path, progress: _Progress, workers: int) -> str:

@@ -37,6 +37,19 @@ from deepzero.data.dataset import META_FILE, PackedDataset, meta_header
 from deepzero.data.preference import PairEncoder
 from deepzero.data.sources import Chat, iter_records
 from deepzero.data.tokenizer import train_tokenizer_from_texts
+from deepzero.data.writer import (
+    SPLIT_GIVEN,
+    SPLIT_HASHED,
+    BadInput,
+    Layout,
+    ShardWriter,
+    check_rows,
+    doc_prefix,
+    publish,
+    remove_stale_temps,
+    split_of,
+    tokenizer_ref,
+)
 from deepzero.errors import UserError
 
 FORMAT = "prompts"
@@ -134,13 +147,12 @@ def prepare_prompts(
 ) -> dict[str, Any]:
     """Write ``out`` (see the module docstring) and return its meta.json contents. With ``val_inputs``
     (``--val-input``) val is their records and train every record of ``inputs``; else a prompt's hash decides."""
-    from deepzero.data import prepare as p
 
     start = time.perf_counter()
     max_prompt_len = seq_len - max_completion_length
-    bad = p._BadInput(skip_bad)
+    bad = BadInput(skip_bad)
     out.parent.mkdir(parents=True, exist_ok=True)
-    p._remove_stale_temps(out)
+    remove_stale_temps(out)
     tmp = out.parent / f".{out.name}.tmp-{os.getpid()}"
     shutil.rmtree(tmp, ignore_errors=True)
     tmp.mkdir()
@@ -150,7 +162,7 @@ def prepare_prompts(
 
         def prompts() -> Iterator[tuple[Prompt, str]]:
             for prompt in read_prompts(inputs, bad, columns):
-                yield prompt, ("train" if val_inputs else p.split_of(prompt.key(), seed, val_fraction))
+                yield prompt, ("train" if val_inputs else split_of(prompt.key(), seed, val_fraction))
             for prompt in read_prompts(val_inputs, bad, columns, flag="--val-input"):
                 yield prompt, "val"
 
@@ -158,17 +170,17 @@ def prepare_prompts(
             texts = (_plain(pr.value) for pr, split in prompts() if split == "train")
             tok = train_tokenizer_from_texts(texts, vocab_size, tmp / "tokenizer")
             tok_ref = str(out.resolve() / "tokenizer")
-            bad = p._BadInput(skip_bad)  # the first pass's bad records are counted in this one
+            bad = BadInput(skip_bad)  # the first pass's bad records are counted in this one
         else:
-            tok_ref = p._tokenizer_ref(tokenizer, out, tmp)
-        prefix = p.doc_prefix(tok)
+            tok_ref = tokenizer_ref(tokenizer, out, tmp)
+        prefix = doc_prefix(tok)
         encoder = PromptEncoder(tok, tokenizer, prefix)
         pad = tok.pad_token_id if tok.pad_token_id is not None else tok.eos_token_id
         dtype = np.dtype(np.uint16 if len(tok) < 2**16 else np.uint32)
         shard_rows = max(1, int(shard_mb * 2**20) // (max_prompt_len * dtype.itemsize))
-        layout = p._Layout(tmp, max_prompt_len, dtype, shard_rows)
+        layout = Layout(tmp, max_prompt_len, dtype, shard_rows)
         for split in ("train", "val"):
-            writers[split] = p._ShardWriter(layout, split, with_mask=True)
+            writers[split] = ShardWriter(layout, split, with_mask=True)
             records[split] = (tmp / records_file(split)).open("w", encoding="utf-8")
         tokens = {"train": 0, "val": 0}
         fields: set[str] = set()
@@ -215,7 +227,7 @@ def prepare_prompts(
                 if val_inputs and split == "val"
                 else "add records (or raise --val-fraction)"
             )
-            p._check_rows(writers[split].n_rows, split, max_prompt_len, fix)
+            check_rows(writers[split].n_rows, split, max_prompt_len, fix)
         n_rows = {s: w.n_rows for s, w in writers.items()}
         meta = {
             **meta_header(FORMAT, seq_len, dtype, tok),
@@ -239,14 +251,14 @@ def prepare_prompts(
             "inputs": list(inputs),
             "val_inputs": list(val_inputs),
             "val_fraction": val_fraction,
-            "split": p.SPLIT_GIVEN if val_inputs else p.SPLIT_HASHED,
+            "split": SPLIT_GIVEN if val_inputs else SPLIT_HASHED,
             "seed": seed,
             "shard_mb": shard_mb,
             "fingerprint": fingerprint,
             "seconds": round(time.perf_counter() - start, 2),
         }
         (tmp / META_FILE).write_text(json.dumps(meta, indent=2) + "\n")
-        p._publish(tmp, out)
+        publish(tmp, out)
     finally:
         for fh in records.values():
             fh.close()

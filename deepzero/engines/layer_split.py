@@ -16,9 +16,10 @@ import torch
 from deepspeed.runtime import lr_schedules
 
 from deepzero.dsconfig import BatchMath
-from deepzero.engines.base import Batch, ModelFactory, draw, lm_loss, loss_normalizer, mean_eval_loss
+from deepzero.engines.base import Batch, ModelFactory, draw, mean_eval_loss
 from deepzero.errors import UserError
 from deepzero.export import ExportReport, export_hf
+from deepzero.losses.lm import lm_loss, loss_normalizer
 from deepzero.losses.objectives import LanguageModeling
 from deepzero.modeling import cast_parameters
 from deepzero.placement import Placement, apply_placement, format_placement, plan_placement, torch_device

@@ -27,11 +27,12 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
+from deepzero.data import IGNORE_INDEX
 from deepzero.errors import UserError
 from deepzero.generation import CompletionSampler, GroupSeeds, HFGenerate
+from deepzero.losses.lm import loss_normalizer
 from deepzero.losses.tiled import has_tiled_loss
 
-IGNORE_INDEX = -100
 LOSS_TYPES = ("dapo", "grpo", "dr_grpo", "bnpo")
 SCALES = ("group", "batch", "none")
 COMPLETIONS_FILE = "completions.jsonl"
@@ -311,7 +312,6 @@ class GRPO:
         each micro-batch (1)."""
         if self.settings.loss_type != "dapo":
             return torch.ones((), device=micro[0]["input_ids"].device)
-        from deepzero.engines.base import loss_normalizer
 
         return loss_normalizer(micro, dp_size, group)
 

@@ -27,10 +27,11 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
+from deepzero.data import IGNORE_INDEX
 from deepzero.errors import UserError
+from deepzero.losses.lm import lm_loss, loss_normalizer, target_count
 from deepzero.losses.tiled import has_tiled_loss
 
-IGNORE_INDEX = -100
 LOSSES = ("sigmoid", "ipo", "hinge", "simpo")
 REFERENCES = ("precomputed", "adapters-off")
 REFERENCE_FREE = frozenset({"simpo"})
@@ -101,17 +102,14 @@ class LanguageModeling(Drawn):
     perplexity = True
 
     def normalizer(self, micro: list[Batch], dp_size: int, group: Any = None) -> torch.Tensor:
-        from deepzero.engines.base import loss_normalizer
 
         return loss_normalizer(micro, dp_size, group)
 
     def loss(self, model: Any, batch: Batch, normalizer: torch.Tensor) -> torch.Tensor:
-        from deepzero.engines.base import lm_loss
 
         return lm_loss(model, batch, normalizer)
 
     def eval_sums(self, model: Any, batch: Batch) -> tuple[torch.Tensor, torch.Tensor]:
-        from deepzero.engines.base import lm_loss, target_count
 
         one = torch.ones((), device=batch["input_ids"].device)
         return lm_loss(model, batch, one).float(), target_count([batch])

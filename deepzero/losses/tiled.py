@@ -25,7 +25,8 @@ from torch import nn
 from transformers.modeling_outputs import CausalLMOutputWithPast
 from transformers.utils import ModelOutput
 
-IGNORE_INDEX = -100
+from deepzero.data import IGNORE_INDEX
+
 MIN_TILE_ROWS = 256
 
 
