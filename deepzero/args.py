@@ -140,6 +140,13 @@ class TrainArgs:
             " The export merges them into a plain HF model."
         ),
     )
+    load_in_4bit: bool | None = field(
+        default=None,
+        **_help(
+            "With --lora: load the frozen base in 4 bits (QLoRA: bitsandbytes NF4, double quantisation, compute in"
+            " the run's precision); --load-in-4bit false overrides the preset's \"quantization\" section."
+        ),
+    )
     packing: Literal["documents", "stream"] = field(
         default="documents",
         **_help(
@@ -265,6 +272,8 @@ def parse_args(argv: list[str] | None = None) -> TrainArgs:
     for action in parser._actions:  # --ds a=1 --ds b=2 keeps both (argparse's nargs="+" keeps only the last)
         if action.dest in ("ds", "reward"):
             action.__class__ = argparse._ExtendAction
+        if action.dest == "load_in_4bit":  # bare --load-in-4bit means true; unset (None) defers to the preset
+            action.nargs, action.const = "?", True
     (args, rest) = parser.parse_args_into_dataclasses(args=argv, return_remaining_strings=True)
     if rest:
         flags = [a.split("=")[0] for a in rest if a.startswith("-")] or rest

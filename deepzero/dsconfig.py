@@ -209,8 +209,9 @@ def replace_schedule(cfg: dict[str, Any], name: str, lr: Any = "auto") -> None:
     cfg["scheduler"] = {"type": LR_SCHEDULES[name]["type"], "params": {**params, "warmup_type": "linear"}}
 
 
-OWNED_SECTIONS = ("preference",)
-"""Preset sections that deepzero reads itself (the preference loss: ``deepzero.losses.objectives``); removed from
+OWNED_SECTIONS = ("preference", "quantization")
+"""Preset sections that deepzero reads itself (the preference loss: ``deepzero.losses.objectives``; the 4-bit base:
+``deepzero.quant``); removed from
 the config before it is validated and handed to DeepSpeed."""
 
 

@@ -115,13 +115,17 @@ def build_model(
     attn_implementation: str = "sdpa",
     experts_implementation: str | None = None,
     trust_remote_code: bool = False,
+    quantization_config: Any = None,
 ) -> torch.nn.Module:
     """Random-init presets are built in fp32 (DeepSpeed casts them); pretrained weights load in the training
     dtype, which halves host RAM per rank against fp32. For ZeRO-3 call ``zero3_context`` first.
 
     ``experts_implementation`` (MoE models only; None keeps Transformers' default) selects the experts kernel.
+    ``quantization_config`` (pretrained weights only) loads a quantised base (``deepzero.quant``).
     """
     kwargs: dict[str, Any] = {"attn_implementation": attn_implementation, "trust_remote_code": trust_remote_code}
+    if quantization_config is not None:
+        kwargs["quantization_config"] = quantization_config
     if experts_implementation is not None:
         kwargs["experts_implementation"] = experts_implementation
     try:

@@ -6,6 +6,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import errno
 import os
 import sys
@@ -26,6 +27,7 @@ from deepzero import (
     modeling,
     moe_balance,
     preemption,
+    quant,
     reference,
     report,
     universal,
@@ -71,6 +73,8 @@ class RunPlan:
     """GRPO's settings for a prompts data folder (``deepzero.losses.grpo.GRPOSettings``; None: no GRPO)."""
     rewards: Any = None
     """GRPO's rewards (``deepzero.rewards.RewardSet``), parsed and imported at plan time."""
+    four_bit: quant.FourBit | None = None
+    """The 4-bit base under the LoRA adapters (--load-in-4bit; None: the base in the training precision)."""
 
 
 @dataclass
@@ -145,6 +149,9 @@ def plan_run(args: TrainArgs, world: int) -> RunPlan:
     overrides = [*args.ds, f"sequence_parallel_size={sequence}"] if sequence > 1 else args.ds  # zero.Init reads it
     cfg = dsconfig.resolve(args.deepspeed_config, settings.dp_size(world), hints, overrides, precision=args.precision)
     settings.check_batch(cfg.batch)
+    four_bit = plan_four_bit(args, settings, cfg, source)
+    if four_bit is not None:
+        settings = dataclasses.replace(settings, four_bit=four_bit, base_source=source.pretrained)
     grpo_plan.check_batch(grpo, cfg.batch)
     if cfg.precision_choice.changed:
         warn(f"{cfg.precision_choice.describe()}. Fix: pass --precision to choose another")
@@ -195,6 +202,23 @@ def plan_run(args: TrainArgs, world: int) -> RunPlan:
         preference,
         grpo,
         rewards,
+        four_bit,
+    )
+
+
+def plan_four_bit(
+    args: TrainArgs, settings: EngineSettings, cfg: dsconfig.ResolvedConfig, source: modeling.ModelSource
+) -> quant.FourBit | None:
+    """A 4-bit base from --load-in-4bit or the preset's "quantization" section (the flag first), or one line."""
+    section = dsconfig.owned_section(args.deepspeed_config, args.ds, quant.SECTION)
+    return quant.choose(
+        quant.requested(args.load_in_4bit, section, args.deepspeed_config),
+        zero_engine=isinstance(settings, engines.ZeroSettings),
+        lora=args.lora is not None,
+        pretrained=not source.random_init,
+        stage=cfg.zero_stage,
+        precision=cfg.precision,
+        offload_param="param" in cfg.offload,
     )
 
 
@@ -360,6 +384,7 @@ def setup(args: TrainArgs) -> Run:
         "precision": plan.cfg.precision_choice.to_json(),
         "moe_balance": plan.balance.to_json(),
         "memory_savers": plan.savers.to_json(),
+        "four_bit": plan.four_bit.to_json() if plan.four_bit else None,
         "objective": engine.objective.to_json(),
         "sequence_parallel": {
             "size": sequence,
@@ -419,11 +444,12 @@ def make_model(args: TrainArgs, plan: RunPlan) -> nn.Module:
         attn_implementation=args.attn_implementation,
         experts_implementation=args.experts_impl,
         trust_remote_code=args.trust_remote_code,
+        quantization_config=plan.four_bit.bnb_config() if plan.four_bit else None,
     )
     model.config.use_cache = False
     plan.savers.apply(model)
     model.train()  # from_pretrained returns it in eval mode (dropout off, routers' training hooks idle)
-    if not plan.source.random_init and plan.cfg.precision == "fp16":
+    if not plan.source.random_init and plan.cfg.precision == "fp16" and plan.four_bit is None:
         check_fp16_range(model, args.model, local_values)
     return model
 

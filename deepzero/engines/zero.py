@@ -11,6 +11,7 @@ from __future__ import annotations
 
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
+from functools import partial
 from pathlib import Path
 from types import SimpleNamespace
 from typing import Any
@@ -21,7 +22,7 @@ import torch.distributed as dist
 from deepspeed.accelerator import get_accelerator
 from torch import nn
 
-from deepzero import modeling
+from deepzero import modeling, quant
 from deepzero import sequence_parallel as sp
 from deepzero.dsconfig import BatchMath
 from deepzero.engines.base import Batch, DeepSpeedBacked, ModelFactory, mean_eval_loss
@@ -66,6 +67,8 @@ class ZeroEngine(DeepSpeedBacked):
         """ZeRO-3 split the parameters while the model was built: no rank ever held the whole model."""
         self.seq_len = 0
         """The data's row length (0: unknown), for the header's sequence-parallel padding."""
+        self.four_bit: quant.FourBit | None = None
+        """The 4-bit base under the adapters (QLoRA), for the header."""
 
     @classmethod
     def build(
@@ -78,6 +81,8 @@ class ZeroEngine(DeepSpeedBacked):
         preference: PreferenceSettings | None = None,
         grpo: Any = None,
         seed: int = 0,
+        four_bit: quant.FourBit | None = None,
+        base_source: str | None = None,
     ) -> ZeroEngine:
         """Instantiate the model (partitioned at load under ZeRO-3), apply LoRA, wrap it in a DeepSpeed engine
         (with DeepSpeed's sequence-parallel groups as its ``mpu`` when ``sequence_parallel`` > 1)."""
@@ -90,6 +95,8 @@ class ZeroEngine(DeepSpeedBacked):
             model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
         if sequence is not None:
             sp.install(model, sequence)
+        if four_bit is not None:  # the 4-bit base frozen, its norms in fp32, input gradients for checkpointing
+            model = quant.prepare(model, gradient_checkpointing)
         if lora is not None:  # after the build (ZeRO-3: already partitioned), before initialize
             model = apply_lora(model, lora)
         params = [p for p in model.parameters() if p.requires_grad]
@@ -99,11 +106,16 @@ class ZeroEngine(DeepSpeedBacked):
         engine, *_ = deepspeed.initialize(model=model, model_parameters=params, config=ds_config, mpu=mpu)
         factor = stage3_gradient_factor(engine.optimizer, params[0], sequence.size) if sequence and stage == 3 else 1.0
         exporter = export_lora_hf if lora is not None else export_hf
+        if four_bit is not None:  # the adapters merged into the 16-bit base read again from the source
+            exporter = partial(quant.export_qlora_hf, source=base_source)
         objective = build_objective(preference, grpo, seed)
-        return cls(engine, model, exporter, keep_alive, partitioned, sequence, factor, objective)
+        built = cls(engine, model, exporter, keep_alive, partitioned, sequence, factor, objective)
+        built.four_bit = four_bit
+        return built
 
     def describe(self) -> str:
         where = "  partitioned at load" if self.partitioned_at_load else ""
+        where += self.four_bit.describe() if self.four_bit is not None else ""
         if self.sequence is None:
             return where
         size = self.sequence.size
@@ -144,7 +156,8 @@ class ZeroEngine(DeepSpeedBacked):
 
     @torch.no_grad()
     def weights_finite(self) -> bool:
-        return all(bool(torch.isfinite(local_values(p)).all()) for p in self.engine.module.parameters())
+        params = [p for p in self.engine.module.parameters() if not quant.is_packed(p)]  # 4-bit bytes: not floats
+        return all(bool(torch.isfinite(local_values(p)).all()) for p in params)
 
 
 AVG_SCATTER = "_DeepSpeedZeroOptimizer_Stage3__avg_scatter_grads"
@@ -203,6 +216,10 @@ class ZeroSettings:
     """GRPO's settings for a prompts data folder (``deepzero.losses.grpo.GRPOSettings``; None: no GRPO)."""
     seed: int = 0
     """The run's seed (GRPO's sampling streams derive from it)."""
+    four_bit: quant.FourBit | None = None
+    """A 4-bit base under the LoRA adapters (QLoRA), decided with the precision (``run.plan_four_bit``)."""
+    base_source: str | None = None
+    """Where the 16-bit base is read again for the QLoRA export (folder or hub id)."""
 
     def dp_size(self, world: int) -> int:
         if world % self.sequence_parallel:
@@ -227,6 +244,8 @@ class ZeroSettings:
             self.preference,
             self.grpo,
             self.seed,
+            self.four_bit,
+            self.base_source,
         )
         engine.seq_len = seq_len
         return engine

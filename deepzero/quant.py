@@ -1,0 +1,299 @@
+"""A 4-bit base under LoRA adapters (QLoRA): ``--load-in-4bit`` or the preset's ``"quantization"`` section.
+
+The frozen base loads through Transformers' ``BitsAndBytesConfig`` (NF4 blocks of 64 weights, double quantisation
+of their absmax constants, compute in the run's precision) and peft's ``prepare_model_for_kbit_training``; only the
+LoRA adapters train. Under ZeRO-3 the 4-bit blocks are stored in the compute dtype (``bnb_4bit_quant_storage``) so
+that DeepSpeed can flatten and partition them with the other parameters; under ZeRO-0/1/2 they stay uint8.
+
+Transformers never partitions a quantised model at load (its ``zero.Init`` is skipped for any quantiser): every rank
+loads the whole 4-bit base, and ZeRO-3 partitions it at ``deepspeed.initialize``. The planner counts that load.
+
+The export merges the trained adapters into the original 16-bit base read again from the model source (not the NF4
+blocks dequantised) and writes a plain Transformers folder, plus the adapters alone in peft's format. Its logits
+differ from the engine's by the quantisation error, so the check compares that gap with the base's own gap (the
+16-bit base against the 4-bit engine with its adapters off) rather than with rounding.
+"""
+
+from __future__ import annotations
+
+import copy
+import os
+import shutil
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import torch
+import torch.distributed as dist
+
+from deepzero.errors import UserError
+from deepzero.export import (
+    ExportReport,
+    _zero3_init_off,
+    attn_implementation_of,
+    eval_logits,
+    publish_hf,
+    reloaded_logits,
+)
+
+FLAG = "--load-in-4bit"
+SECTION = "quantization"
+"""The preset's section: ``"quantization": {"load_in_4bit": true}`` (deepzero's, removed before DeepSpeed)."""
+KEYS = ("load_in_4bit",)
+BLOCK = 64
+"""Weights per NF4 block (bitsandbytes' default blocksize): one absmax constant each."""
+DOUBLE_QUANT_BLOCK = 256
+"""Absmax constants per second-level block under double quantisation (one fp32 constant each, the rest 8-bit)."""
+DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
+
+
+@dataclass(frozen=True)
+class FourBit:
+    """The 4-bit base of a run: NF4 with double quantisation, computing in ``compute`` and stored in ``storage``."""
+
+    compute: str
+    """The run's precision (fp32, bf16, fp16): what each layer is dequantised to for its matmul."""
+    storage: str
+    """uint8, or under ZeRO-3 the compute dtype (DeepSpeed partitions floating-point parameters only)."""
+    origin: str = FLAG
+    """Where it was asked for: the flag or the preset's key (for the header and the errors)."""
+
+    def bnb_config(self) -> Any:
+        from transformers import BitsAndBytesConfig
+
+        return BitsAndBytesConfig(
+            load_in_4bit=True,
+            bnb_4bit_quant_type="nf4",
+            bnb_4bit_use_double_quant=True,
+            bnb_4bit_compute_dtype=DTYPES[self.compute],
+            bnb_4bit_quant_storage=DTYPES.get(self.storage, torch.uint8),
+        )
+
+    def describe(self) -> str:
+        return f"  base in 4 bits (NF4, double quant, compute {self.compute}, storage {self.storage})"
+
+    def to_json(self) -> dict[str, Any]:
+        return {"quant_type": "nf4", "double_quant": True, "compute": self.compute, "storage": self.storage}
+
+
+def requested(flag: bool | None, section: Any, source: str) -> str | None:
+    """Where a 4-bit base was asked for (None: it was not). ``--load-in-4bit [true|false]`` beats the preset's
+    ``"quantization": {"load_in_4bit": ...}``."""
+    if section is not None:
+        if not isinstance(section, dict):
+            raise UserError(f"{source}: {SECTION}", "must be an object", 'e.g. "quantization": {"load_in_4bit": true}')
+        if unknown := [k for k in section if k not in KEYS]:
+            raise UserError(f"{source}: {SECTION}.{unknown[0]}", "Unknown config key", f"use only {', '.join(KEYS)}")
+        if not isinstance(section.get("load_in_4bit", False), bool):
+            raise UserError(f"{source}: {SECTION}.load_in_4bit", "must be true or false", "set it to true or false")
+    if flag is not None:
+        return FLAG if flag else None
+    if section is not None and section.get("load_in_4bit"):
+        return f"{source}: {SECTION}.load_in_4bit"
+    return None
+
+
+def choose(
+    origin: str | None,
+    *,
+    zero_engine: bool,
+    lora: bool,
+    pretrained: bool,
+    stage: int,
+    precision: str,
+    offload_param: bool,
+) -> FourBit | None:
+    """The 4-bit base the run asked for, or one line saying why this run cannot have it."""
+    if origin is None:
+        return None
+    if not zero_engine:
+        raise UserError(
+            origin,
+            "a 4-bit base runs on the ZeRO engine only (the pipeline and the layer split place float weights)",
+            "use ds_configs/zero2.json or zero3.json without --device-map",
+        )
+    if not lora:
+        raise UserError(
+            origin, "full fine-tuning of a 4-bit base is not possible (its NF4 weights are frozen)", "add --lora"
+        )
+    if not pretrained:
+        raise UserError(
+            origin,
+            "a random-init preset has no weights to quantise",
+            "pass a checkpoint (a preset naming one, a local folder or a hub id)",
+        )
+    if offload_param:
+        raise UserError(
+            origin,
+            "ZeRO-3 parameter offload of 4-bit weights is not supported here",
+            "drop offload_param (the 4-bit base is small: ds_configs/zero3.json)",
+        )
+    four_bit = FourBit(precision, precision if stage == 3 else "uint8", origin)
+    check_runnable(four_bit)
+    return four_bit
+
+
+def check_runnable(four_bit: FourBit, device: str | None = None) -> None:
+    """bitsandbytes imports and runs a 4-bit matmul in the compute dtype here, or one line says what is missing."""
+    fix = "pip install bitsandbytes (CUDA GPUs, or CPUs with bitsandbytes >= 0.48), or drop " + four_bit.origin
+    try:
+        import bitsandbytes as bnb
+    except Exception as err:  # a missing package, or a build without a backend for this machine
+        raise UserError(four_bit.origin, f"bitsandbytes cannot be imported ({_first_line(err)})", fix) from None
+    if device is None:
+        from deepspeed.accelerator import get_accelerator
+
+        device = get_accelerator().device_name()
+    dtype = DTYPES[four_bit.compute]
+    try:
+        layer = bnb.nn.Linear4bit(
+            BLOCK,
+            8,
+            bias=False,
+            compute_dtype=dtype,
+            quant_type="nf4",
+            compress_statistics=True,
+            quant_storage=DTYPES.get(four_bit.storage, torch.uint8),
+        )
+        layer = layer.to(device)
+        out = layer(torch.ones(2, BLOCK, dtype=dtype, device=device))
+        ok = out.shape == (2, 8) and bool(torch.isfinite(out).all())
+    except Exception as err:  # bitsandbytes raises many types on a device without kernels for this dtype
+        raise UserError(
+            four_bit.origin,
+            f"bitsandbytes has no 4-bit {four_bit.compute} kernel on {device} ({_first_line(err)})",
+            fix,
+        ) from None
+    if not ok:
+        raise UserError(
+            four_bit.origin, f"bitsandbytes' 4-bit {four_bit.compute} matmul on {device} is not finite", fix
+        )
+
+
+def prepare(model: torch.nn.Module, gradient_checkpointing: bool) -> torch.nn.Module:
+    """peft's k-bit preparation: the base frozen, its norms and embeddings in fp32, input gradients on (for the
+    checkpointed layers). Call after the build, before the adapters."""
+    from peft import prepare_model_for_kbit_training
+
+    return prepare_model_for_kbit_training(
+        model,
+        use_gradient_checkpointing=gradient_checkpointing,
+        gradient_checkpointing_kwargs={"use_reentrant": False},
+    )
+
+
+def is_packed(param: torch.Tensor) -> bool:
+    """A 4-bit weight: two NF4 codes per byte, stored as uint8 or (ZeRO-3) reinterpreted as the compute dtype, so
+    its "float" values are arbitrary bit patterns (NaN among them), never weights."""
+    return type(param).__name__ == "Params4bit"
+
+
+# ------------------------------------------------------------------ export
+
+
+@dataclass(frozen=True)
+class QLoraExportReport(ExportReport):
+    """The merged 16-bit export against the 4-bit engine. They differ by the quantisation error, so ``ok`` asks
+    that the typical token's gap (median over tokens of the largest |Δlogit|) stays within ``tolerance``: twice the
+    base's own gap (the 16-bit base against the engine with its adapters off) plus the dtype's rounding."""
+
+    median_token_logit_diff: float = 0.0
+    base_median_token_logit_diff: float = 0.0
+    """The quantisation error alone: the 16-bit base against the 4-bit engine, both without adapters."""
+    adapter_path: str = ""
+    compared_with: str = "the 4-bit engine (the gap is the NF4 quantisation error, not rounding)"
+
+    @property
+    def ok(self) -> bool:
+        return self.median_token_logit_diff <= self.tolerance
+
+
+ROUNDING = {torch.float32: 1e-4, torch.float16: 1e-2, torch.bfloat16: 5e-2}
+
+
+@torch.no_grad()
+def export_qlora_hf(
+    engine: Any, tokenizer: Any, out_dir: Path, probe: dict[str, torch.Tensor], source: str
+) -> QLoraExportReport | None:
+    """Every rank calls it. Rank 0 reads the 16-bit base again from ``source``, merges the engine's adapters into it,
+    writes ``out_dir`` (plain Transformers, no peft or bitsandbytes needed) and ``<out_dir>-adapter`` (peft format),
+    and compares logits with the engine."""
+    engine_logits = eval_logits(engine, probe)
+    with engine.module.disable_adapter():
+        base_logits = eval_logits(engine, probe)
+    adapters = adapter_state_dict(engine)
+    report = None
+    if engine.global_rank == 0:
+        peft_model = engine.module
+        config = copy.deepcopy(peft_model.peft_config["default"])
+        attn = attn_implementation_of(peft_model.get_base_model())
+        with _zero3_init_off():
+            adapter_dir = out_dir.with_name(f"{out_dir.name}-adapter")
+            merged, base_gap, dtype = _merge_into_16bit(source, config, adapters, probe, base_logits, attn, adapter_dir)
+            publish_hf(merged, tokenizer, out_dir)
+            diff = (reloaded_logits(out_dir, dtype, attn, probe) - engine_logits).abs()
+        median = diff.amax(-1).median().item()
+        report = QLoraExportReport(
+            str(out_dir),
+            diff.max().item(),
+            str(dtype).removeprefix("torch."),
+            tolerance=2 * base_gap + ROUNDING[dtype],
+            median_token_logit_diff=median,
+            base_median_token_logit_diff=base_gap,
+            adapter_path=str(adapter_dir),
+        )
+    if dist.is_initialized():
+        dist.barrier()
+    return report
+
+
+def adapter_state_dict(engine: Any) -> dict[str, torch.Tensor]:
+    """The adapters' weights under their peft names, whole, on every rank (ZeRO-3 gathers them: a collective)."""
+    import deepspeed
+
+    named = [(n, p) for n, p in engine.module.named_parameters() if p.requires_grad]
+    with deepspeed.zero.GatheredParameters([p for _, p in named], enabled=engine.zero_optimization_partition_weights()):
+        return {n: p.detach().float().cpu().clone() for n, p in named}
+
+
+def _merge_into_16bit(
+    source: str,
+    config: Any,
+    adapters: dict[str, torch.Tensor],
+    probe: dict[str, torch.Tensor],
+    base_logits: torch.Tensor,
+    attn: str,
+    adapter_dir: Path,
+) -> tuple[torch.nn.Module, float, torch.dtype]:
+    """The 16-bit base read from ``source`` (in its own dtype) and its gap to the 4-bit engine without adapters;
+    the adapters saved to ``adapter_dir`` (peft format) and merged into it."""
+    from transformers import AutoModelForCausalLM
+
+    from deepzero.lora import wrap
+
+    base = AutoModelForCausalLM.from_pretrained(source, dtype="auto", attn_implementation=attn)
+    base.eval()
+    dtype = next(base.parameters()).dtype
+    if dtype not in ROUNDING:
+        raise UserError(str(source), f"the base holds {dtype} weights, not floats", "export the adapters by hand")
+    logits = base(input_ids=probe["input_ids"].cpu()).logits.float()
+    base_gap = (logits - base_logits).abs().amax(-1).median().item()
+    config.base_model_name_or_path = str(source)
+    peft_model = wrap(base, config)
+    result = peft_model.load_state_dict({n: t.to(dtype) for n, t in adapters.items()}, strict=False)
+    missing = [k for k in result.missing_keys if ".lora_" in k]
+    if result.unexpected_keys or missing:
+        raise RuntimeError(
+            f"QLoRA export: the adapters do not fit the 16-bit base ({result.unexpected_keys[:3]}"
+            f" unexpected, {missing[:3]} missing)"
+        )
+    tmp = adapter_dir.with_name(f"{adapter_dir.name}.partial")
+    shutil.rmtree(tmp, ignore_errors=True)
+    peft_model.save_pretrained(tmp)
+    shutil.rmtree(adapter_dir, ignore_errors=True)
+    os.replace(tmp, adapter_dir)
+    return peft_model.merge_and_unload(progressbar=False, safe_merge=True), base_gap, dtype
+
+
+def _first_line(err: Exception) -> str:
+    return str(err).strip().splitlines()[0][:200] if str(err).strip() else type(err).__name__
