@@ -1,0 +1,108 @@
+"""Memory planner: will a model train under ZeRO 1/2/3 on these cards? Reads only the config (meta device).
+
+``python -m deepzero.plan --model deepseek-coder-1.3b --gpus 3 --gpu-mem 24 --cpu-mem 128 --seq-len 2048``
+prints per-card GPU memory (parameters, gradients, optimizer, activations, logits, buffers) and host RAM for
+every ZeRO stage / offload / checkpointing / LoRA combination, marks what fits, and recommends a ds_configs
+preset with the largest micro-batch that fits. Formulas and sources: docs/memory.md.
+
+This module is that command line (its first docstring line is ``--help``'s description); the planner itself is
+the package's other modules (``deepzero.plan``).
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+from collections.abc import Sequence
+
+from deepzero.errors import UserError
+from deepzero.modeling import planning_config
+from deepzero.plan.arch import model_stats
+from deepzero.plan.setup import SaverTerms
+from deepzero.plan.tables import LORA_RANK, fit_table, render, render_longest
+from deepzero.presets import PRESETS
+
+PAIR_ROWS = 2
+"""Sequences per preference pair (chosen and rejected), as train.py's PreferenceDataset reads them."""
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(prog="python -m deepzero.plan", description=__doc__.splitlines()[0])
+    parser.add_argument("--model", help="preset name, local folder with config.json, or hub id")
+    parser.add_argument("--fit-table", action="store_true", help="README table: the recommendation for every preset")
+    parser.add_argument("--gpus", type=int, default=3, help="data-parallel ranks (cards)")
+    parser.add_argument("--gpu-mem", type=float, default=24.0, help="GiB per card (an RTX 4090 has 24)")
+    parser.add_argument("--cpu-mem", type=float, default=128.0, help="host RAM in GiB, whole machine")
+    parser.add_argument("--seq-len", type=int, default=2048)
+    parser.add_argument("--micro-batch", type=int, default=1, help="micro-batch the table is computed for")
+    parser.add_argument("--lora-rank", type=int, default=LORA_RANK, help="rank for the LoRA rows")
+    parser.add_argument("--tiled-loss", choices=("on", "off"), default="on", help="as train.py: the LM loss in tiles")
+    parser.add_argument(
+        "--activation-offload", action="store_true", help="as train.py: checkpointed hidden states in host memory"
+    )
+    parser.add_argument("--tiled-mlp", choices=("on", "off"), default="off", help="as train.py: MLPs in sequence tiles")
+    parser.add_argument(
+        "--max-seq-len", action="store_true", help="the longest sequence of every preset and saver choice (micro 1)"
+    )
+    parser.add_argument(
+        "--preference",
+        action="store_true",
+        help="preference pairs (DPO): --micro-batch pairs = 2 sequences each, log-probs tiled like the LM loss,"
+        " no reference model (its log-probs precomputed, or LoRA's adapters off)",
+    )
+    args = parser.parse_args(argv)
+    if args.preference and args.max_seq_len:
+        print(
+            "error: --max-seq-len: plans one sequence per micro-batch and sequence parallelism, which preference"
+            " pairs do not use. Fix: drop --preference, or plan one length with --preference --seq-len N",
+            file=sys.stderr,
+        )
+        return 2
+    for flag, value in (("--gpus", args.gpus), ("--seq-len", args.seq_len), ("--micro-batch", args.micro_batch)):
+        if value < 1:
+            print(f"error: {flag} {value}: must be at least 1. Fix: pass a positive number", file=sys.stderr)
+            return 2
+    if args.fit_table:
+        print(fit_table(args.gpus, args.gpu_mem, args.cpu_mem, args.seq_len, args.lora_rank))
+        return 0
+    if args.model is None:
+        print("error: --model: missing. Fix: pass --model NAME (or --fit-table)", file=sys.stderr)
+        return 2
+    try:
+        name, config = planning_config(args.model)
+        stats = model_stats(config, name)
+    except UserError as err:
+        print(f"error: {err}", file=sys.stderr)
+        return 2
+    pretrained = not (args.model in PRESETS and PRESETS[args.model].hub_id is None)
+    if args.max_seq_len:
+        kw = {"pretrained": pretrained, "tiled_loss": args.tiled_loss == "on"}
+        print(render_longest(stats, args.gpus, args.gpu_mem, args.cpu_mem, args.lora_rank, **kw))
+        return 0
+    savers = SaverTerms.choose(stats.arch, args.tiled_loss == "on", args.activation_offload, args.tiled_mlp == "on")
+    rows = args.micro_batch * (PAIR_ROWS if args.preference else 1)
+    print(
+        render(
+            stats,
+            args.gpus,
+            args.gpu_mem,
+            args.cpu_mem,
+            args.seq_len,
+            micro_batch=rows,
+            lora_rank=args.lora_rank,
+            pretrained=pretrained,
+            savers=savers,
+            pair_rows=PAIR_ROWS if args.preference else 1,
+        )
+    )
+    if args.preference:
+        print(
+            f"Preference pairs: micro-batch {args.micro_batch} pair{'s' * (args.micro_batch != 1)} = {rows}"
+            " sequences (chosen and rejected), so"
+            f" every micro-batch and 'max mb' above counts sequences: pairs = sequences / {PAIR_ROWS}. The log-probs"
+            " are tiled over the LM head like the LM loss (--tiled-loss). No reference model is on the cards: its"
+            " log-probs are"
+            " precomputed in one pass before training (one eval forward at a time), or it is the same model with"
+            " its LoRA adapters off (a no-grad forward)."
+        )
+    return 0

@@ -1,0 +1,268 @@
+"""Bytes per card and host RAM of one ``Setup``: ZeRO's model states as DeepSpeed lays them out, what each
+rank or card of a layout holds, and the ``estimate`` that adds activations, logits and buffers."""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+from deepzero.plan.activations import activation_bytes, logits_bytes, offloaded_bytes
+from deepzero.plan.arch import ModelStats
+from deepzero.plan.setup import LayerSplitLayout, PipelineLayout, Setup
+
+GiB = 2**30
+ADAM_K = 12
+"""Bytes per trainable parameter of fp32 optimizer state: master copy 4 + Adam m 4 + v 4 (ZeRO paper's K)."""
+CUDA_RESERVE = 1 * GiB
+"""CUDA context, cuBLAS workspace and NCCL buffers: on the card but outside torch's allocator."""
+FRAGMENTATION = 0.05
+"""Share of allocated bytes the caching allocator loses to fragmentation."""
+HOST_PER_RANK = 3 * GiB
+"""Host RAM of one training process before any model bytes (Python, torch, CUDA host state)."""
+
+
+def gib(n: float) -> str:
+    """Bytes as GiB with one decimal, as every report prints them."""
+    return f"{n / GiB:.1f}"
+
+
+# ---------------------------------------------------------------------------------- ZeRO partitioning
+
+
+@dataclass(frozen=True)
+class RankStates:
+    """Model-state elements one rank holds, with DeepSpeed's padding (multiply by bytes per element)."""
+
+    params: int
+    """16-bit parameters: the full flat buffer (stage 0-2) or this rank's shards + persistent copies (stage 3)."""
+    persistent: int
+    """Of ``params``: full copies of small ZeRO-3 parameters kept on every rank (param_persistence_threshold)."""
+    grads: int
+    """16-bit gradients held between backward and step."""
+    optimizer: int
+    """fp32 partition the optimizer updates (master weights; Adam m and v have the same size)."""
+    step_chunk: int
+    """Largest fp32 gradient partition materialised at once during the step."""
+
+
+def _ceil_to(n: int, multiple: int) -> int:
+    return -(-n // multiple) * multiple
+
+
+def rank_states(trainable: Sequence[int], frozen: Sequence[int], setup: Setup) -> list[RankStates]:
+    """Per-rank elements exactly as DeepSpeed lays them out (validated in tests/test_plan.py).
+
+    Stages 1-2 flatten the trainable parameters into one buffer padded to a multiple of 2·N and split it in N
+    equal partitions; ZeRO-2's contiguous gradient buffer holds the *whole* gradient of every parameter that
+    touches the rank's partition. Stage 3 splits each parameter in N shards of ceil(numel / N).
+    """
+    n = setup.dp_size if setup.stage > 0 else 1
+    total = sum(trainable)
+    frozen_total = sum(frozen)
+    if setup.stage == 3:
+        k = setup.zero
+        shards = sum(-(-x // n) for x in trainable)
+        budget, persistent = k.model_persistence_threshold // n, 0
+        for x in (*trainable, *frozen):
+            if x <= k.param_persistence_threshold and persistent + x <= budget:
+                persistent += _ceil_to(x, n)
+        params = shards + sum(-(-x // n) for x in frozen) + persistent
+        chunk = min(shards, k.sub_group_size)
+        return [RankStates(params, persistent, shards, shards, chunk)] * n
+    flat = _ceil_to(total, 2 * n)
+    part = flat // n
+    if setup.stage < 2:
+        return [RankStates(flat + frozen_total, 0, total, part, part)] * n
+    out = []
+    for rank in range(n):
+        lo, hi, offset, touching = rank * part, (rank + 1) * part, 0, 0
+        for x in trainable:
+            if offset < hi and offset + x > lo:
+                touching += x
+            offset += x
+        out.append(RankStates(flat + frozen_total, 0, touching, part, part))
+    return out
+
+
+# -------------------------------------------------------------------------------------------- estimate
+
+
+@dataclass(frozen=True)
+class Estimate:
+    """Bytes per card (the busiest rank) and host RAM for the whole machine."""
+
+    setup: Setup
+    params: int
+    grads: int
+    optimizer: int
+    """fp32 master weights + Adam m and v kept on the card (0 when offloaded)."""
+    activations: int
+    logits: int
+    buffers: int
+    """DeepSpeed's reduce buckets, and under ZeRO-3 the gathered parameters/gradients of the live modules."""
+    step: int
+    """fp32 gradient partition made during optimizer.step (activations are freed by then)."""
+    other: int
+    """CUDA context/NCCL and allocator fragmentation: on the card, outside max_memory_allocated."""
+    host: int
+    host_states: int
+    """Offloaded optimizer/parameter bytes of all ranks (pinned host memory for the whole run)."""
+    host_load: int
+    """Transient host bytes while the ranks build the model (``host`` counts the larger of the two)."""
+    trainable: int
+    where: str = "every rank"
+    """The busiest holder these bytes are for: every rank (ZeRO), a pipeline stage, a card of the layer split."""
+
+    @property
+    def allocated(self) -> int:
+        """Predicted torch.cuda.max_memory_allocated: states + the larger of backward and step working sets."""
+        states = self.params + self.grads + self.optimizer
+        return states + max(self.activations + self.logits + self.buffers, self.step)
+
+    @property
+    def gpu_total(self) -> int:
+        return self.allocated + self.other
+
+    def fits(self, gpu_mem: float, cpu_mem: float | None = None) -> bool:
+        """Whether the card (and host, if given) has room; memory in bytes."""
+        return self.gpu_total <= gpu_mem and (cpu_mem is None or self.host <= cpu_mem)
+
+
+@dataclass(frozen=True)
+class Share:
+    """What one rank (or card) of a layout holds: its parameters, its decoder layers, whether it computes the
+    logits, and how many micro-batches keep their activations on it at once."""
+
+    where: str
+    trainable: tuple[int, ...]
+    frozen: tuple[int, ...]
+    layers: range
+    head: bool
+    in_flight: int = 1
+
+
+def pipeline_parts(stats: ModelStats, layout: PipelineLayout) -> list[int]:
+    """Cut points over [embedding, decoder × L, head], computed as DeepSpeed's ``PipelineModule`` does."""
+    from deepspeed.runtime import utils as ds_utils
+
+    units = list(stats.stage_numels)
+    method = layout.partition.lower()
+    if method == "uniform":
+        return ds_utils.partition_uniform(num_items=len(units), num_parts=layout.stages)
+    if method.startswith("type:"):
+        units = [0] + [1] * (len(units) - 2) + [0]  # only DecoderStage layers are counted
+    return ds_utils.partition_balanced(weights=units, num_parts=layout.stages)
+
+
+def shares(stats: ModelStats, setup: Setup) -> list[Share]:
+    """What each rank or card of ``setup.layout`` holds (ZeRO: one share, the same on every rank)."""
+    layout, layers = setup.layout, stats.arch.layers
+    units = stats.stage_numels
+    if isinstance(layout, PipelineLayout):
+        parts, out = pipeline_parts(stats, layout), []
+        for stage in range(layout.stages):
+            lo, hi = parts[stage], parts[stage + 1]
+            held = range(max(lo, 1) - 1, min(hi, layers + 1) - 1)
+            in_flight = min(layout.stages - stage, setup.accum)  # 1F1B: forwards before the first backward
+            out.append(Share(f"pipeline stage {stage}", tuple(units[lo:hi]), (), held, hi == layers + 2, in_flight))
+        return out
+    if isinstance(layout, LayerSplitLayout):
+        cuts, last = layout.cuts, layout.cards - 1
+        return [
+            Share(
+                f"card {k}",
+                (units[0],) * (k == 0) + tuple(units[1 + cuts[k] : 1 + cuts[k + 1]]) + (units[-1],) * (k == last),
+                (),
+                range(cuts[k], cuts[k + 1]),
+                k == last,
+            )
+            for k in range(layout.cards)
+        ]
+    if setup.lora_rank:
+        return [Share("every rank", stats.lora_numels(setup.lora_rank), stats.param_numels, range(layers), True)]
+    return [Share("every rank", stats.param_numels, (), range(layers), True)]
+
+
+def _states(stats: ModelStats, setup: Setup, share: Share) -> tuple[int, int, int, int, int, RankStates]:
+    """(params, grads, optimizer, step, buffers) bytes of one share on its card, and its ZeRO layout."""
+    p, k = setup.bytes_per_value, setup.zero
+    ranks = rank_states(share.trainable, share.frozen, setup)
+    rs = max(ranks, key=lambda r: r.params + r.grads)
+    total = sum(share.trainable)
+    if isinstance(setup.layout, LayerSplitLayout):  # torch AdamW on fp32 masters (the weights themselves in fp32)
+        master = 4 if p == 2 else 0
+        return p * total, p * total, (8 + master) * total, master * total, 0, rs
+    if isinstance(setup.layout, PipelineLayout):
+        n = setup.dp_size
+        grad_bytes = 4 if setup.layout.fp32_grad_accum or p == 4 else p
+        buffers = grad_bytes * min(k.reduce_bucket_size, total) if n > 1 else 0  # the engine's gradient all-reduce
+        if setup.precision == "bf16" and (setup.layout.fp32_grad_accum or setup.stage == 0):
+            # DeepSpeed's BF16_Optimizer: fp32 master + m + v partitioned, gradients one whole buffer of the stage
+            return p * rs.params, grad_bytes * total, ADAM_K * _ceil_to(total, 2 * n) // n, 0, buffers, rs
+        return p * rs.params, grad_bytes * rs.grads, ADAM_K * rs.optimizer, 4 * rs.step_chunk, buffers, rs
+    off_opt, off_par = setup.offload_optimizer, setup.offload_params
+    params = p * (rs.persistent if off_par else rs.params)
+    grads = 0 if off_opt and setup.stage >= 2 else p * rs.grads
+    optimizer = 0 if off_opt else ADAM_K * rs.optimizer
+    step = 0 if off_opt else 4 * rs.step_chunk
+    overlap = k.overlap_comm if k.overlap_comm is not None else setup.stage == 3
+    if setup.stage == 3:
+        largest = stats.largest_module
+        gathered = min(k.max_live_parameters, largest + k.prefetch_bucket_size)
+        buffers = p * (k.reduce_bucket_size + gathered + largest)
+    elif setup.stage > 0:
+        buffers = p * k.reduce_bucket_size * (2 if overlap else 1)
+    else:
+        buffers = 0
+    return params, grads, optimizer, step, buffers, rs
+
+
+def host_bytes(stats: ModelStats, setup: Setup, rs: RankStates) -> tuple[int, int, int]:
+    """(host RAM of the machine, offloaded states, transient load bytes): pretrained weights load in the training
+    dtype, a random-init model is built in fp32; every process builds the whole model except under ZeRO-3."""
+    p, n = setup.bytes_per_value, setup.world_size
+    procs = 1 if isinstance(setup.layout, LayerSplitLayout) else n
+    host_states = 0
+    if setup.offload_optimizer:  # fp32 master + m + v, fp32 gradient partition, 16-bit staging buffer, per rank
+        host_states += n * (ADAM_K + 4 + p) * rs.optimizer
+    if setup.offload_params:
+        host_states += n * p * (rs.params - rs.persistent)
+    host_states += procs * offloaded_bytes(stats, setup)
+    load_bytes = p if setup.pretrained else 4
+    zero3 = setup.layout is None and setup.stage == 3  # partitions module by module while loading
+    load = procs * load_bytes * (stats.largest_module if zero3 else stats.total)
+    return procs * HOST_PER_RANK + max(load, host_states), host_states, load
+
+
+def estimate(stats: ModelStats, setup: Setup) -> Estimate:
+    """Per-card memory of the busiest rank or card of one setup, and host memory (formulas in docs/memory.md)."""
+    interval = setup.layout.checkpoint_interval if isinstance(setup.layout, PipelineLayout) else None
+    if isinstance(setup.layout, LayerSplitLayout):
+        interval = 0  # the layer split engine never turns on gradient checkpointing
+    out = []
+    for share in shares(stats, setup):
+        params, grads, optimizer, step, buffers, rs = _states(stats, setup, share)
+        activations = activation_bytes(stats, setup, share.layers, share.head, share.in_flight, interval)
+        logits = logits_bytes(stats, setup) if share.head else 0
+        allocated = params + grads + optimizer + max(activations + logits + buffers, step)
+        other = CUDA_RESERVE + int(FRAGMENTATION * allocated)
+        host, host_states, load = host_bytes(stats, setup, rs)
+        out.append(
+            Estimate(
+                setup,
+                params,
+                grads,
+                optimizer,
+                activations,
+                logits,
+                buffers,
+                step,
+                other,
+                host,
+                host_states,
+                load,
+                sum(share.trainable),
+                share.where,
+            )
+        )
+    return max(out, key=lambda e: e.gpu_total)

@@ -1,0 +1,173 @@
+"""Searches over the estimate: the largest micro-batch that fits, the recommended preset, the longest sequence."""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass, replace
+from typing import Any
+
+from deepzero.plan.arch import ModelStats
+from deepzero.plan.memory import Estimate, estimate
+from deepzero.plan.setup import SaverTerms, Setup, load_preset, setup_from_ds_config
+
+PRESET_ORDER = ("zero2_bf16", "zero2", "zero3", "zero2_offload", "zero3_offload")
+"""ds_configs presets, fastest first: the recommendation is the first one that fits."""
+MAX_MICRO_BATCH = 64
+SEQ_STEP = 1024
+"""Granularity of the longest-sequence search (tokens)."""
+MAX_SEQ_SEARCH = 2**20
+"""Longest sequence the search tries (tokens)."""
+
+
+# ------------------------------------------------------------------------------ micro-batch and preset
+
+
+def max_micro_batch(stats: ModelStats, setup: Setup, gpu_mem: float, cpu_mem: float | None = None) -> int:
+    """Largest micro-batch (1..64) that fits; 0 if even 1 does not (memory grows with the batch: bisect)."""
+    lo, hi = 0, MAX_MICRO_BATCH
+    while lo < hi:
+        mid = (lo + hi + 1) // 2
+        if estimate(stats, replace(setup, micro_batch=mid)).fits(gpu_mem, cpu_mem):
+            lo = mid
+        else:
+            hi = mid - 1
+    return lo
+
+
+def _micro1_setup(
+    ds: dict[str, Any],
+    stats: ModelStats,
+    world_size: int,
+    seq_len: int,
+    checkpointing: bool,
+    lora_rank: int,
+    pretrained: bool,
+    savers: SaverTerms,
+) -> Setup:
+    """A preset's Setup at micro-batch 1 (what ``recommend`` and the longest-sequence search start from)."""
+    return setup_from_ds_config(
+        ds,
+        world_size=world_size,
+        seq_len=seq_len,
+        hidden_size=stats.arch.hidden,
+        checkpointing=checkpointing,
+        lora_rank=lora_rank,
+        micro_batch=1,
+        pretrained=pretrained,
+        savers=savers,
+    )
+
+
+@dataclass(frozen=True)
+class Recommendation:
+    preset: str
+    setup: Setup
+    micro_batch: int
+    estimate: Estimate
+
+
+def recommend(
+    stats: ModelStats,
+    world_size: int,
+    seq_len: int,
+    gpu_mem: float,
+    cpu_mem: float | None,
+    lora_rank: int = 0,
+    presets: Sequence[str] = PRESET_ORDER,
+    pretrained: bool = True,
+    savers: SaverTerms | None = None,
+    min_micro: int = 1,
+) -> Recommendation | None:
+    """First preset (fastest first) that fits at micro-batch ``min_micro`` (a preference pair: 2 sequences),
+    preferring no activation checkpointing; ``savers`` None = train.py's defaults (the tiled loss)."""
+    savers = SaverTerms.choose(stats.arch) if savers is None else savers
+    for name in presets:
+        ds = load_preset(name)
+        for ckpt in (False, True):
+            setup = _micro1_setup(ds, stats, world_size, seq_len, ckpt, lora_rank, pretrained, savers)
+            mb = max_micro_batch(stats, setup, gpu_mem, cpu_mem) // min_micro * min_micro
+            if mb:
+                setup = replace(setup, micro_batch=mb)
+                return Recommendation(name, setup, mb, estimate(stats, setup))
+    return None
+
+
+# ------------------------------------------------------------------------------------ longest sequence
+
+
+SAVER_CHOICES: tuple[tuple[bool, bool, bool], ...] = (
+    (False, False, False),
+    (False, False, True),
+    (True, False, False),
+    (True, True, False),
+    (True, False, True),
+    (True, True, True),
+)
+"""(activation checkpointing, offloaded checkpoints, tiled MLP) the longest-sequence search tries, cheapest first."""
+
+
+@dataclass(frozen=True)
+class LongestSeq:
+    """The longest sequence one setup trains at micro-batch 1, and what it needs there."""
+
+    seq_len: int
+    preset: str
+    setup: Setup
+    estimate: Estimate
+
+    def label(self) -> str:
+        s, parts = self.setup, [f"`{self.preset}`"]
+        parts += [f"SP {s.sequence_parallel}"] * (s.sequence_parallel > 1)
+        parts += ["ckpt"] * s.checkpointing + ["offload"] * (s.checkpointing and s.savers.offload)
+        return " + ".join(parts + ["tiled MLP"] * s.savers.tiled_mlp + ["untiled loss"] * (not s.savers.loss_tiles))
+
+
+def longest_seq_len(
+    stats: ModelStats, setup: Setup, gpu_mem: float, cpu_mem: float | None, step: int = SEQ_STEP
+) -> int:
+    """Longest multiple of ``step`` (up to ``MAX_SEQ_SEARCH``) at which ``setup`` fits; 0 if ``step`` does not
+    (memory grows with the sequence: bisect)."""
+    lo, hi = 0, MAX_SEQ_SEARCH // step
+    while lo < hi:
+        mid = (lo + hi + 1) // 2
+        if estimate(stats, replace(setup, seq_len=mid * step)).fits(gpu_mem, cpu_mem):
+            lo = mid
+        else:
+            hi = mid - 1
+    return lo * step
+
+
+def longest_sequences(
+    stats: ModelStats,
+    world_size: int,
+    gpu_mem: float,
+    cpu_mem: float | None,
+    lora_rank: int = 0,
+    pretrained: bool = True,
+    tiled_loss: bool = True,
+    choices: Sequence[tuple[bool, bool, bool]] = SAVER_CHOICES,
+    sequence_parallel: bool = True,
+) -> list[LongestSeq]:
+    """The longest sequence of every preset × ``choices`` (checkpointing, offload, tiled MLP) at micro-batch 1,
+    each also split over all ranks (sequence parallelism, ZeRO presets) when ``sequence_parallel``."""
+    out = []
+    for name in PRESET_ORDER:
+        ds = load_preset(name)
+        for ckpt, offload, mlp in choices:
+            savers = SaverTerms.choose(stats.arch, tiled_loss, offload, mlp)
+            base = _micro1_setup(ds, stats, world_size, SEQ_STEP, ckpt, lora_rank, pretrained, savers)
+            splits = (1, world_size) if sequence_parallel and base.layout is None and world_size > 1 else (1,)
+            for split in splits:
+                setup = replace(base, sequence_parallel=split)
+                n = longest_seq_len(stats, setup, gpu_mem, cpu_mem)
+                setup = replace(setup, seq_len=max(n, SEQ_STEP))
+                out.append(LongestSeq(n, name, setup, estimate(stats, setup)))
+    return out
+
+
+def longest_sequence(
+    stats: ModelStats, world_size: int, gpu_mem: float, cpu_mem: float | None, **kw: Any
+) -> LongestSeq | None:
+    """The setup that trains the longest sequence (the first, fastest, of equals); None if none trains ``SEQ_STEP``."""
+    best = max(longest_sequences(stats, world_size, gpu_mem, cpu_mem, **kw), key=lambda r: r.seq_len)
+    return best if best.seq_len else None
