@@ -171,3 +171,138 @@ def test_advantages_equal_trls_for_every_scaling() -> None:
         got = advantages(r, 3, scale, nanstd(r) if scale == "batch" else None)
         torch.testing.assert_close(got, want, rtol=1e-6, atol=1e-7)
     assert got[4] == 0
+
+
+# --- train.py -------------------------------------------------------------------------------------------------------
+
+REWARD_FILE = """
+import os
+
+calls = [0]
+
+
+def share(prompts, completions, completion_ids, chars, **kw):
+    \"\"\"The share of the completion's characters that are among the record's chars (a random model's
+    byte-level completions score from 0 to 1: groups differ, so every step has a gradient).\"\"\"
+    return [sum(ch in x for ch in c) / max(len(c), 1) for c, x in zip(completions, chars)]
+
+
+def broken(prompts, completions, completion_ids, chars, **kw):
+    \"\"\"share for two generations, then (rank 1 only, from its third call on) an error.\"\"\"
+    calls[0] += 1
+    if os.environ.get("RANK") == "1" and calls[0] >= 3:
+        raise ValueError("no nines")
+    return share(prompts, completions, completion_ids, chars)
+"""
+STEPS = 4
+
+
+@pytest.fixture(scope="module")
+def rl(tmp_path_factory: pytest.TempPathFactory) -> dict:
+    """Prompts with an extra column (prepared with --format prompts, a BPE trained here), a reward file reading
+    it, and a tiny Qwen2 saved with that tokenizer."""
+    import json
+    import random
+    import string
+    import subprocess
+    import sys
+
+    from transformers import AutoTokenizer
+
+    from tests.conftest import REPO, cpu_env
+
+    root = tmp_path_factory.mktemp("grpo")
+    rng = random.Random(0)
+    chars = string.ascii_letters + string.digits
+    rows = [{"prompt": f"{rng.randint(0, 9)}+{rng.randint(0, 9)}=", "chars": chars} for _ in range(120)]
+    (root / "p.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
+    (root / "reward.py").write_text(REWARD_FILE)
+    cmd = [sys.executable, "data/prepare.py", "--input", str(root / "p.jsonl"), "--format", "prompts"]
+    cmd += ["--tokenizer", "train", "--vocab-size", "300", "--seq-len", "32", "--out", str(root / "data")]
+    proc = subprocess.run(cmd, cwd=REPO, capture_output=True, text=True, env=cpu_env())
+    assert proc.returncode == 0, proc.stderr
+    tok = AutoTokenizer.from_pretrained(root / "data" / "tokenizer")
+    model = tiny_qwen(vocab=len(tok))
+    model.config.eos_token_id, model.config.pad_token_id = tok.eos_token_id, tok.pad_token_id
+    model.save_pretrained(root / "model")
+    tok.save_pretrained(root / "model")
+    return {"root": root, "data": root / "data", "model": root / "model", "reward": root / "reward.py"}
+
+
+def grpo_args(rl: dict, out, reward: str = "share", accum: int = 1, *extra: str) -> list[str]:
+    return [
+        "--deepspeed_config", "ds_configs/zero2.json", "--model", str(rl["model"]), "--data", str(rl["data"]),
+        "--out", str(out), "--reward", f"{rl['reward']}:{reward}", "--num-generations", "4", "--micro-batch", "4",
+        "--grad-accum", str(accum), "--max-completion-length", "8", "--max-steps", str(STEPS), "--log-interval", "1",
+        "--eval-interval", "0", "--save-interval", "2", "--lr", "1e-3", "--warmup-steps", "1", "--no-export",
+        "--precision", "fp32",
+        *extra,
+    ]  # fmt: skip
+
+
+@pytest.fixture(scope="module")
+def rl_runs(rl: dict) -> dict:
+    """Four launches shared by the tests below: 3 ranks × 4 steps (accumulation 1: 12 completions a step); 1 rank
+    × 3 accumulation steps; a run whose reward fails on rank 1 at step 3 (after the step-2 checkpoint); and that
+    run resumed from its step-2 checkpoint with the working reward (in a copy of its folder, metrics.jsonl gone)."""
+    import shutil
+
+    from tests.conftest import cpu_env, launch
+
+    root = rl["root"]
+    launch(grpo_args(rl, root / "full"), env=cpu_env())
+    launch(grpo_args(rl, root / "one", "share", 3), nproc=1, env=cpu_env())
+    broken = launch(grpo_args(rl, root / "broken", "broken"), env=cpu_env(), check=False)
+    shutil.copytree(root / "broken", root / "resumed")
+    (root / "resumed" / "metrics.jsonl").unlink()
+    resumed = launch(grpo_args(rl, root / "resumed", "share", 1, "--resume"), env=cpu_env())
+    return {"root": root, "broken": broken, "resumed": resumed}
+
+
+METRICS = ("loss", "reward", "reward_std", "completions/mean_length", "entropy", "clip_ratio/region_mean")
+
+
+@pytest.mark.launcher
+def test_train_py_logs_trls_metrics_and_resumes_exactly_and_1x3_equals_3x1(rl_runs: dict) -> None:
+    """train.py on 3 ranks logs TRL's metric names (the user's reward by its function name) and completions.jsonl;
+    a run resumed from a step-2 checkpoint gives steps 3-4 equal to the uninterrupted run (the same completions:
+    the sampling state is in the checkpoint); 1 rank × 3 accumulation steps gives the same curve as 3 ranks × 1."""
+    from tests.conftest import records
+
+    root = rl_runs["root"]
+    full = {r["step"]: r for r in records(root / "full")}
+    resumed = {r["step"]: r for r in records(root / "resumed")}
+    one = {r["step"]: r for r in records(root / "one")}
+    assert "resumed from step 2" in rl_runs["resumed"].stdout
+    assert "rewards/share/mean" in full[1] and "frac_reward_zero_std" in full[1]
+    assert (root / "full" / "completions.jsonl").read_text().count("\n") == STEPS
+    assert sorted(resumed) == [3, 4]
+    for step in (3, 4):
+        for key in METRICS:
+            assert resumed[step][key] == pytest.approx(full[step][key], rel=1e-6, abs=1e-9), (step, key)
+    for step in range(1, STEPS + 1):
+        for key in METRICS:
+            assert one[step][key] == pytest.approx(full[step][key], rel=1e-5, abs=1e-7), (step, key)
+    assert len({full[s]["reward"] for s in full}) > 1  # completions differ between steps
+    assert all(full[s]["grad_norm"] > 0 for s in full)  # every step learns something: the equalities mean much
+
+
+@pytest.mark.launcher
+def test_a_reward_that_raises_stops_every_rank_with_one_line_and_keeps_the_last_checkpoint(rl_runs: dict) -> None:
+    """Rank 1's reward raises at step 3: every rank stops with the same one line naming the reward file and the
+    record, no traceback; the step-2 checkpoint stays the latest, whole (the resume above trains on from it)."""
+    import re
+
+    proc, ckpt = rl_runs["broken"], rl_runs["root"] / "broken" / "checkpoints"
+    errors = [line for line in proc.stderr.splitlines() if "error:" in line]
+    assert proc.returncode != 0 and errors, proc.stderr[-3000:]
+    lines = {re.sub(r"^.*?error: ", "", line) for line in errors}
+    assert len(lines) == 1, errors
+    assert re.fullmatch(
+        r"--reward .*reward\.py:broken: raised ValueError: no nines on completion 0 of the batch \(record \d+, prompt"
+        r" '.*'\)\. Fix: fix .*reward\.py:broken for this input",
+        lines.pop(),
+    ), errors
+    assert "Traceback" not in proc.stderr
+    assert (ckpt / "latest").read_text() == "step00000002"
+    assert sorted(p.name for p in ckpt.iterdir() if p.is_dir()) == ["step00000002"]
