@@ -46,6 +46,23 @@ class TiledLoss:
         """Rows of each tile for a micro-batch with ``targets`` real targets."""
         return max(1, math.ceil(targets / max(self.tiles_per_vocab, 1)), min(targets, self.min_tile_rows))
 
+    def working_bytes(self, tokens: int, vocab: int, hidden: int, element_bytes: int) -> int:
+        """Peak bytes of the loss's working set over the LM head for a micro-batch of ``tokens`` targets, in a run
+        whose values are ``element_bytes`` wide (2: bf16/fp16, 4: fp32) — what the planner counts (one formula, next
+        to the code it describes). Per logit value of one tile: the 16-bit logits and their fp32 copy, the fp32
+        softmax gradient and its scaled 16-bit cast (14; fp32: 12); the fp32 weight-gradient accumulator ``[V × H]``
+        and, in 16-bit, either one vocabulary block's product and its fp32 copy (:func:`vocab_block`) or the final
+        cast to the weight's dtype, whichever is larger; the per-token fp32 log-sum-exp and the hidden-state
+        gradient. Untiled (``enabled`` False): the same 14 (12) per value of the whole ``[tokens × vocab]``."""
+        per_value = 14 if element_bytes == 2 else 12
+        if not self.enabled:
+            return per_value * tokens * vocab
+        rows = self.tile_rows(tokens)
+        accumulator = 4 * vocab * hidden
+        if element_bytes == 2:
+            accumulator += max(2 * vocab * hidden, 6 * vocab_block(rows, vocab, hidden) * hidden)
+        return per_value * rows * vocab + accumulator + 4 * tokens + element_bytes * tokens * hidden
+
     def describe(self) -> str:
         if not self.enabled:
             return "loss: untiled (the whole [tokens × vocab] logits; --tiled-loss on to tile)"

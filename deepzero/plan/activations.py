@@ -3,10 +3,10 @@ offload, tiled MLP, sequence parallelism) and the loss's working set over the LM
 
 from __future__ import annotations
 
-from deepzero.losses.tiled import MIN_TILE_ROWS
+from deepzero.losses.tiled import TiledLoss
 from deepzero.plan.arch import Arch, ModelStats
 from deepzero.plan.setup import Setup
-from deepzero.sequence_parallel import MASK_ELEMENTS
+from deepzero.sequence_parallel import MASK_ELEMENTS, padded_length
 
 
 def _norm(width: int, fp32: bool = False) -> int:
@@ -75,14 +75,15 @@ def layer_activation_bytes(stats: ModelStats, setup: Setup) -> list[int]:
 
 
 def gathered_kv_bytes(stats: ModelStats, setup: Setup) -> int:
-    """Sequence parallelism: the whole rows' keys and values one layer all-gathers and its attention keeps for
-    backward, 16-bit (``sequence_parallel.gathered_bytes`` plus this rank's own slice); 0 without it."""
+    """Sequence parallelism: the whole (padded) rows' keys and values one layer's attention holds and keeps for
+    backward, 16-bit (``sequence_parallel.whole_row_kv_bytes``: all-gathered, or for MLA expanded on each rank from
+    the gathered latent, which it keeps too); 0 without it."""
     if setup.sequence_parallel <= 1:
         return 0
     a = stats.arch
     mla = a.heads * (a.qk_nope_dim + a.qk_rope_dim + a.v_head_dim)  # every head's expanded key and value
-    width = mla if a.kv_lora_rank else 2 * a.kv_heads * a.head_dim
-    return 2 * width * setup.micro_batch * setup.seq_len
+    width = mla + a.kv_lora_rank + a.qk_rope_dim if a.kv_lora_rank else 2 * a.kv_heads * a.head_dim  # + MLA's latent
+    return 2 * width * setup.micro_batch * padded_length(setup.seq_len, setup.sequence_parallel)
 
 
 def sequence_mask_bytes(setup: Setup) -> int:
@@ -90,8 +91,9 @@ def sequence_mask_bytes(setup: Setup) -> int:
     training dtype), rebuilt per chunk and freed (``sequence_parallel.MASK_ELEMENTS`` bounds it); 0 without it."""
     if setup.sequence_parallel <= 1:
         return 0
-    piece = setup.seq_len // (2 * setup.sequence_parallel)  # a chunk's queries lie in one of the rank's two pieces
-    elements = min(MASK_ELEMENTS, setup.micro_batch * piece * setup.seq_len)
+    row = padded_length(setup.seq_len, setup.sequence_parallel)
+    piece = row // (2 * setup.sequence_parallel)  # a chunk's queries lie in one of the rank's two pieces
+    elements = min(MASK_ELEMENTS, setup.micro_batch * piece * row)
     return elements * (1 + (4 if setup.precision == "fp32" else 2))
 
 
@@ -136,19 +138,10 @@ def offloaded_bytes(stats: ModelStats, setup: Setup) -> int:
 
 
 def logits_bytes(stats: ModelStats, setup: Setup) -> int:
-    """The loss's working set over the LM head.
-
-    Untiled: 16-bit logits (2) + fp32 log-softmax kept for the loss (4) + two fp32 gradients in its backward (8)
-    per [tokens × vocab] value; in fp32 the logits are freed after the forward: 12 (measured on the CPU,
-    bench/long_context.py). Tiled (``savers.loss_tiles``): the same per value of one tile of ceil(tokens /
-    tiles) rows (never fewer than 256), plus the fp32 grad_weight buffer [V × H] (in 16-bit also each tile's
-    [V × H] matmul output and its fp32 upcast; fp32 accumulates in place), the per-token fp32 log-sum-exp and the
-    [tokens × hidden] hidden-state gradient.
-    """
-    a, tokens, p = stats.arch, setup.tokens, setup.bytes_per_value
-    per_value = 14 if p == 2 else 12
-    if not setup.savers.loss_tiles:
-        return per_value * tokens * a.vocab
-    rows = max(-(-tokens // setup.savers.loss_tiles), min(tokens, MIN_TILE_ROWS))  # losses.tiled.TiledLoss.tile_rows
-    grad_weight = (10 if p == 2 else 4) * a.vocab * a.hidden  # 16-bit: + each tile's product and its fp32 upcast
-    return per_value * rows * a.vocab + grad_weight + 4 * tokens + p * tokens * a.hidden
+    """The loss's working set over the LM head: ``losses.tiled.TiledLoss.working_bytes``, the formula that lives next
+    to the code it counts (untiled: 16-bit logits, fp32 log-softmax and two fp32 gradients per [tokens × vocab]
+    value, 12 in fp32, measured on the CPU by bench/long_context.py; tiled: one tile's values, the fp32 weight
+    gradient and the 16-bit run's vocabulary blocks, the per-token log-sum-exp and the hidden-state gradient)."""
+    a = stats.arch
+    loss = TiledLoss(bool(setup.savers.loss_tiles), setup.savers.loss_tiles)
+    return loss.working_bytes(setup.tokens, a.vocab, a.hidden, setup.bytes_per_value)

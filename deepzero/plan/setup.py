@@ -16,6 +16,7 @@ from transformers import PretrainedConfig
 from deepzero.errors import UserError
 from deepzero.plan.arch import Arch
 from deepzero.precision import requested_precision
+from deepzero.sequence_parallel import padded_length
 
 if TYPE_CHECKING:
     from deepzero.dsconfig import ResolvedConfig
@@ -137,8 +138,9 @@ class Setup:
 
     @property
     def tokens(self) -> int:
-        """Tokens of one micro-batch on one rank (a slice of each row under sequence parallelism)."""
-        return self.micro_batch * self.seq_len // self.sequence_parallel
+        """Tokens of one micro-batch on one rank (a slice of each row, padded to a multiple of 2N, under sequence
+        parallelism: ``sequence_parallel.padded_length``)."""
+        return self.micro_batch * padded_length(self.seq_len, self.sequence_parallel) // self.sequence_parallel
 
     def __post_init__(self) -> None:
         if self.stage not in (0, 1, 2, 3):
