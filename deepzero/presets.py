@@ -180,6 +180,17 @@ PRESETS: dict[str, ModelPreset] = {
             "deepseek-ai/DeepSeek-R1-Distill-Qwen-14B",
             "dense Qwen2-arch reasoning distill, 14.8B params",
         ),
+        _published(
+            "deepseek-r1-distill-qwen-32b",
+            "deepseek-ai/DeepSeek-R1-Distill-Qwen-32B",
+            "dense Qwen2-arch reasoning distill, 32.8B params (config from the model card's values; QLoRA on 3x24 GB)",
+        ),
+        _published(
+            "deepseek-r1-distill-llama-70b",
+            "deepseek-ai/DeepSeek-R1-Distill-Llama-70B",
+            "dense Llama-3.3-arch reasoning distill, 70.6B params (config from the model card's values; QLoRA on"
+            " 3x24 GB)",
+        ),
         _partly_published(
             "deepseek-v2-lite",
             "deepseek-ai/DeepSeek-V2-Lite",
