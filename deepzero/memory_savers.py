@@ -16,7 +16,6 @@ from functools import partial
 from typing import Any
 
 import torch
-from deepspeed.runtime.sequence_parallel.ulysses_sp import TiledMLP
 from torch import nn
 from torch.utils.checkpoint import checkpoint
 
@@ -131,7 +130,26 @@ def chunk_count(tokens: int, tiles: int) -> int:
     return math.ceil(tokens / math.ceil(tokens / tiles))
 
 
+def mlp_tile_bytes(tokens: int, tiles: int, width: int, hidden: int) -> int:
+    """16-bit bytes one MLP holds while :func:`tile_mlps` recomputes a tile in backward (0 untiled): the tile's
+    SwiGLU intermediates (8 bytes per token and intermediate unit: gate and up outputs, SiLU input and output), its
+    output gradient (2h per token) and DeepSpeed's zeros for the whole input's gradient (2h per token of ``tokens``);
+    ``width`` is the widest tiled MLP's intermediate size. The planner counts this (one formula, next to the code)."""
+    if tiles <= 1:
+        return 0
+    tile = -(-tokens // tiles)
+    return tile * (8 * width + 2 * hidden) + 2 * hidden * tokens
+
+
+def offloaded_bytes(layers: int, hidden: int, tokens: int, element_bytes: int) -> int:
+    """Host bytes one rank's offloaded checkpoints hold (:func:`enable_offloaded_checkpointing`): every checkpointed
+    layer's input, ``[tokens × hidden]`` in the training dtype; the planner counts this."""
+    return element_bytes * layers * hidden * tokens
+
+
 def _tiled_forward(self: nn.Module, x: torch.Tensor) -> torch.Tensor:
+    from deepspeed.runtime.sequence_parallel.ulysses_sp import TiledMLP  # DeepSpeed only where an MLP is tiled
+
     params = [p for p in self.parameters() if p.requires_grad]
     shards = chunk_count(x.shape[-2], self._mlp_tiles)  # this call's row (a sequence-parallel piece is shorter)
     return TiledMLP.apply(partial(type(self).forward), self, x, shards, params)

@@ -3,6 +3,7 @@ offload, tiled MLP, sequence parallelism) and the loss's working set over the LM
 
 from __future__ import annotations
 
+from deepzero import memory_savers
 from deepzero.losses.tiled import TiledLoss
 from deepzero.plan.arch import Arch, ModelStats
 from deepzero.plan.setup import Setup
@@ -50,13 +51,10 @@ def _mlp_per_token(a: Arch, moe: bool, tiled: bool = False, fp32: bool = False) 
 def mlp_tile_bytes(stats: ModelStats, setup: Setup) -> int:
     """16-bit bytes of one MLP tile recomputed in backward under TiledMLP (0 untiled): its intermediates (8i per
     token), its input gradient buffer (zeros of the whole input, 2h per token) and the tile's output gradient."""
-    a, tokens = stats.arch, setup.tokens
+    a = stats.arch
     tiles = setup.savers.mlp_tiles(a, setup.seq_len // setup.sequence_parallel)
-    if tiles <= 1:
-        return 0
-    tile = -(-tokens // tiles)
     width = max(a.intermediate if len(stats.moe_mask) != sum(stats.moe_mask) else 0, a.shared_intermediate)
-    return tile * (8 * width + 2 * a.hidden) + 2 * a.hidden * tokens
+    return memory_savers.mlp_tile_bytes(setup.tokens, tiles, width, a.hidden)
 
 
 def layer_activation_bytes(stats: ModelStats, setup: Setup) -> list[int]:
@@ -134,7 +132,7 @@ def offloaded_bytes(stats: ModelStats, setup: Setup) -> int:
     if not (setup.savers.offload and setup.checkpointing):
         return 0
     a = stats.arch
-    return setup.bytes_per_value * a.layers * a.hidden * setup.tokens
+    return memory_savers.offloaded_bytes(a.layers, a.hidden, setup.tokens, setup.bytes_per_value)
 
 
 def logits_bytes(stats: ModelStats, setup: Setup) -> int:
