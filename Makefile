@@ -12,7 +12,7 @@ OUT       ?= runs/default
 TRAIN_ARGS ?=
 PYTEST_ARGS ?=
 
-.PHONY: setup data train sft sft-long dpo test lint plan doctor plot bench bench-gpu clean
+.PHONY: setup data train sft sft-long dpo grpo test lint plan doctor plot bench bench-gpu clean
 
 setup: $(VENV)/.installed
 
@@ -78,6 +78,25 @@ dpo: setup
 		--seq-len $(SEQ_LEN) --val-fraction 0.1 --out $(DPO_DATA)
 	PATH="$(CURDIR)/$(BIN):$$PATH" deepspeed --num_gpus=$(NUM_GPUS) train.py \
 		--deepspeed_config $(DS_CONFIG) --model $(DPO_MODEL) --data $(DPO_DATA) --out $(DPO_OUT) $(DPO_ARGS)
+
+# GRPO example (docs/grpo.md): prompts are the stdlib's `def` lines, the reward is the share of the letter in each
+# record's `letter` column among the completion's characters (data/grpo_reward.py, TRL's signature), trained from
+# the `make train` export (runs it first when missing). The held-out mean reward (greedy completions of the val
+# prompts) is printed before and after.
+GRPO_DATA  ?= artifacts/data/grpo_example
+GRPO_MODEL ?= $(OUT)/hf
+GRPO_OUT   ?= runs/grpo
+GRPO_ARGS  ?= --max-steps 30 --warmup-steps 2 --lr 2e-3 --num-generations 4 --micro-batch 4 --grad-accum 1 \
+	--max-completion-length 24 --log-interval 3 --eval-interval 15 --eval-batches 4 --save-interval 0
+grpo: setup
+	test -f $(GRPO_MODEL)/config.json || $(MAKE) train
+	$(BIN)/python data/grpo_example.py --out $(GRPO_DATA).jsonl
+	$(BIN)/python data/prepare.py --input $(GRPO_DATA).jsonl --format prompts --tokenizer $(GRPO_MODEL) \
+		--seq-len 64 --max-completion-length 24 --val-fraction 0.05 --out $(GRPO_DATA)
+	$(BIN)/python data/grpo_example.py --score $(GRPO_MODEL) --data $(GRPO_DATA)
+	PATH="$(CURDIR)/$(BIN):$$PATH" deepspeed --num_gpus=$(NUM_GPUS) train.py --deepspeed_config $(DS_CONFIG) \
+		--model $(GRPO_MODEL) --data $(GRPO_DATA) --out $(GRPO_OUT) --reward data/grpo_reward.py:letter_share $(GRPO_ARGS)
+	$(BIN)/python data/grpo_example.py --score $(GRPO_OUT)/hf --data $(GRPO_DATA)
 
 test: setup
 	$(BIN)/python -m pytest $(PYTEST_ARGS) tests; rc=$$?; \
