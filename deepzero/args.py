@@ -245,6 +245,22 @@ class TrainArgs:
             value = getattr(self, name)
             if value is not None and not (math.isfinite(value) and value >= (1e-9 if name == "peak_tflops" else 0)):
                 raise UserError(f"--{name.replace('_', '-')}", f"must be a positive number, got {value}", "pass e.g. 1")
+        for name in ("num_generations", "max_completion_length", "num_iterations"):  # GRPO's counts
+            if getattr(self, name) < 1:
+                raise UserError(
+                    f"--{name.replace('_', '-')}",
+                    f"must be at least 1, got {getattr(self, name)}",
+                    "pass a positive integer",
+                )
+        for name, top in (("temperature", math.inf), ("top_p", 1.0), ("epsilon", math.inf), ("epsilon_high", math.inf)):
+            value = getattr(self, name)
+            if value is not None and not (math.isfinite(value) and 0 < value <= top):
+                bound = "in (0, 1]" if top == 1.0 else "a positive number"
+                raise UserError(
+                    f"--{name.replace('_', '-')}",
+                    f"must be {bound}, got {value}",
+                    "pass e.g. 1.0" if top == 1.0 else "pass e.g. 0.2",
+                )
         if self.tiled_mlp not in ("on", "off") and not (self.tiled_mlp.isdigit() and int(self.tiled_mlp) >= 1):
             raise UserError(f"--tiled-mlp {self.tiled_mlp}", "not on, off or a tile count", "pass on, off or e.g. 4")
         if self.attn_implementation not in ATTENTION and "/" not in self.attn_implementation:

@@ -666,7 +666,7 @@ class ResolvedConfig:
         return [
             what
             for what in ("optimizer", "param")
-            if zero.get(f"offload_{what}", {}).get("device", "none") not in ("none", None)
+            if (zero.get(f"offload_{what}") or {}).get("device", "none") not in ("none", None)
         ]
 
 
