@@ -18,6 +18,7 @@ from __future__ import annotations
 import argparse
 import json
 import sys
+from collections.abc import Iterable
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
@@ -48,7 +49,13 @@ def _module(chat: list[dict[str, str]]) -> str:
 
 def write(out: Path) -> tuple[int, bool]:
     """Write the pairs as JSONL; return their count and whether the file changed."""
-    text = "".join(json.dumps(p, ensure_ascii=False) + "\n" for p in pairs())
+    return write_jsonl(pairs(), out)
+
+
+def write_jsonl(records: Iterable[dict], out: Path) -> tuple[int, bool]:
+    """Write ``records`` as JSONL atomically, leaving an identical file untouched (reruns are no-ops); return their
+    count and whether the file changed. The GRPO example writes its prompts with it too."""
+    text = "".join(json.dumps(r, ensure_ascii=False) + "\n" for r in records)
     if out.is_file() and out.read_text(encoding="utf-8") == text:
         return text.count("\n"), False
     out.parent.mkdir(parents=True, exist_ok=True)

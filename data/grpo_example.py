@@ -16,7 +16,6 @@ split (the held-out prompts; as train.py's eval: greedy, ``--max-completion-leng
 from __future__ import annotations
 
 import argparse
-import json
 import re
 import sys
 import sysconfig
@@ -44,14 +43,10 @@ def prompts() -> list[dict[str, str]]:
 
 def write(out: Path) -> tuple[int, bool]:
     """Write the records as JSONL; return their count and whether the file changed."""
-    text = "".join(json.dumps(r, ensure_ascii=False) + "\n" for r in prompts())
-    if out.is_file() and out.read_text(encoding="utf-8") == text:
-        return text.count("\n"), False
-    out.parent.mkdir(parents=True, exist_ok=True)
-    tmp = out.with_name(f".{out.name}.tmp")
-    tmp.write_text(text, encoding="utf-8")
-    tmp.replace(out)
-    return text.count("\n"), True
+    sys.path.insert(0, str(Path(__file__).resolve().parent))
+    from dpo_example import write_jsonl
+
+    return write_jsonl(prompts(), out)
 
 
 def score(model_dir: str, data_dir: str, max_completion_length: int | None) -> tuple[float, int]:
