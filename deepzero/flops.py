@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 from typing import Any
 
@@ -44,7 +45,11 @@ class ParamCounts:
 
 
 def numel(p: torch.nn.Parameter) -> int:
-    """Elements of ``p``, also when ZeRO-3 has partitioned it away (``ds_numel``; the local tensor is empty)."""
+    """Weights of ``p``, also when ZeRO-3 has partitioned it away (``ds_numel``; the local tensor is empty) and when
+    it is a 4-bit weight (its tensor packs two NF4 codes per byte; its ``quant_state`` keeps the weight's shape)."""
+    shape = getattr(getattr(p, "quant_state", None), "shape", None)
+    if shape is not None:
+        return math.prod(shape)
     return int(getattr(p, "ds_numel", p.numel()))
 
 

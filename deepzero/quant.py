@@ -1,8 +1,8 @@
 """A 4-bit base under LoRA adapters (QLoRA): ``--load-in-4bit`` or the preset's ``"quantization"`` section.
 
 The frozen base loads through Transformers' ``BitsAndBytesConfig`` (NF4 blocks of 64 weights, double quantisation
-of their absmax constants, compute in the run's precision) and peft's ``prepare_model_for_kbit_training``; only the
-LoRA adapters train. Under ZeRO-3 the 4-bit blocks are stored in the compute dtype (``bnb_4bit_quant_storage``) so
+of their absmax constants, compute in the run's precision) and is frozen (``prepare``); only the LoRA adapters
+train. Under ZeRO-3 the 4-bit blocks are stored in the compute dtype (``bnb_4bit_quant_storage``) so
 that DeepSpeed can flatten and partition them with the other parameters; under ZeRO-0/1/2 they stay uint8.
 
 Transformers never partitions a quantised model at load (its ``zero.Init`` is skipped for any quantiser): every rank
@@ -45,6 +45,23 @@ BLOCK = 64
 DOUBLE_QUANT_BLOCK = 256
 """Absmax constants per second-level block under double quantisation (one fp32 constant each, the rest 8-bit)."""
 DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
+CONSTANT_BYTES = 4 * 16 + 4 * 256 + 4
+"""Per 4-bit weight matrix, whatever its size: the NF4 code (16 fp32), the 8-bit dynamic code of its absmax
+constants (256 fp32) and their offset (one fp32), as bitsandbytes' ``QuantState`` holds them."""
+
+
+def packed_bytes(numel: int) -> int:
+    """Bytes of one weight's NF4 codes: two per byte (stored as uint8, or under ZeRO-3 reinterpreted as the compute
+    dtype; the bytes are the same)."""
+    return -(-numel // 2)
+
+
+def quant_state_bytes(numel: int) -> int:
+    """Bytes of one weight's ``QuantState`` beside its codes: one 8-bit absmax per block of 64 weights, one fp32
+    absmax per 256 of those (double quantisation), and the constant tables. Not a parameter: DeepSpeed never
+    partitions it, every rank holds it whole (measured: tests/test_plan.py)."""
+    blocks = -(-numel // BLOCK)
+    return blocks + 4 * -(-blocks // DOUBLE_QUANT_BLOCK) + CONSTANT_BYTES
 
 
 @dataclass(frozen=True)
@@ -170,16 +187,15 @@ def check_runnable(four_bit: FourBit, device: str | None = None) -> None:
         )
 
 
-def prepare(model: torch.nn.Module, gradient_checkpointing: bool) -> torch.nn.Module:
-    """peft's k-bit preparation: the base frozen, its norms and embeddings in fp32, input gradients on (for the
-    checkpointed layers). Call after the build, before the adapters."""
-    from peft import prepare_model_for_kbit_training
-
-    return prepare_model_for_kbit_training(
-        model,
-        use_gradient_checkpointing=gradient_checkpointing,
-        gradient_checkpointing_kwargs={"use_reentrant": False},
-    )
+def prepare(model: torch.nn.Module) -> torch.nn.Module:
+    """The 4-bit base frozen before the adapters are added. peft's ``prepare_model_for_kbit_training`` would also
+    cast every other weight to fp32, which DeepSpeed casts back to the training dtype at ``initialize`` (measured:
+    tests/test_plan.py): it would only double those weights' bytes on every card while the base loads (6 GiB for
+    R1-Distill-Qwen-32B's embedding and head, the difference between fitting 24 GiB and not), and under ZeRO-3 with
+    fp16 storage it casts the packed NF4 codes too (its test reads ``fp16 or (bf16 and not Params4bit)``). Its other
+    step, input gradients for reentrant checkpointing, is not needed: the engine checkpoints with
+    ``use_reentrant=False``."""
+    return model.requires_grad_(False)
 
 
 def is_packed(param: torch.Tensor) -> bool:

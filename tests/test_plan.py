@@ -14,7 +14,8 @@ import pytest
 import torch
 from conftest import NATIVE_16BIT, REPO, cpu_env, launch
 
-from deepzero import dsconfig, engines, modeling, plan
+from deepzero import dsconfig, engines, modeling, plan, quant
+from deepzero.args import parse_args
 from deepzero.errors import UserError
 from deepzero.lora import LoraSpec
 from deepzero.losses.tiled import TiledLoss, vocab_block
@@ -103,6 +104,48 @@ def test_lora_only_adapters_get_gradients_and_optimizer(coder: plan.ModelStats) 
     z3 = estimate(coder, Setup(stage=3, world_size=N, lora_rank=r))
     # ZeRO-3 shards the frozen base too; adapters (< 1e5 elements each) are also kept whole as persistent params
     assert close(z3.params, 2 * coder.total / N + 2 * adapters * (1 + 1 / N), 0.001)
+
+
+def test_a_4bit_base_holds_its_linears_as_nf4_codes_and_the_rest_in_16_bits(coder: plan.ModelStats) -> None:
+    """QLoRA (issue 32): every nn.Linear but the LM head is 4 bits + its constants, the rest 16-bit; ZeRO-3 shards
+    the codes like any parameter, the constants stay whole; every card first loads the whole 4-bit base."""
+    h, i, layers, r = 2048, 5504, 24, 16
+    linears = layers * (4 * h * h + 3 * h * i)
+    assert sum(coder.four_bit_numels()) == linears and len(coder.four_bit_numels()) == 7 * layers
+    floats = coder.total - linears  # embedding, head, norms
+    adapters = sum(coder.lora_numels(r))
+    constants = sum(map(quant.quant_state_bytes, coder.four_bit_numels()))
+    assert close(constants, linears / 64 + 4 * linears / 64 / 256 + 7 * layers * quant.CONSTANT_BYTES, 1e-3)
+    z2 = estimate(coder, Setup(stage=2, world_size=N, lora_rank=r, four_bit=True))
+    assert z2.trainable == adapters and close(z2.optimizer, 12 * adapters / N, 1e-4)
+    assert close(z2.params, linears / 2 + constants + 2 * (floats + adapters), 1e-6)
+    z3 = estimate(coder, Setup(stage=3, world_size=N, lora_rank=r, four_bit=True))
+    assert close(z3.params, (linears / 2 + 2 * floats) / N + constants + 2 * adapters * (1 + 1 / N), 1e-3)
+    assert z3.load == linears / 2 + constants + 2 * floats + 4 * adapters > z3.params
+    assert z3.allocated >= z3.load and z2.load == z3.load
+    assert estimate(coder, Setup(stage=3, world_size=N, lora_rank=r)).load == 0
+    with pytest.raises(UserError, match="a 4-bit base needs LoRA"):
+        Setup(stage=2, world_size=N, four_bit=True)
+
+
+def test_qlora_fits_32b_on_24gb_cards_and_says_why_70b_and_v2_lite_do_not() -> None:
+    """R1-Distill-Qwen-32B on 3 × 24 GiB: 16-bit LoRA needs ZeRO-3 with parameter offload, QLoRA fits ZeRO-3 on the
+    cards. 70B's whole 4-bit base (35 GiB) is each card's load peak; V2-Lite's fused routed experts are not nn.Linear,
+    so they stay 16-bit and its 4-bit base is nearly as large as the 16-bit one."""
+    gpu, cpu = 24 * GiB, 128 * GiB
+    for name, fits in (("deepseek-r1-distill-qwen-32b", True), ("deepseek-r1-distill-llama-70b", False)):
+        stats = model_stats(PRESETS[name].config(), name)
+        lora = plan.recommend(stats, N, 2048, gpu, cpu, lora_rank=16)
+        qlora = plan.recommend(stats, N, 2048, gpu, cpu, lora_rank=16, four_bit=True)
+        assert (qlora is not None) == fits, name
+        if fits:
+            assert lora is not None and lora.preset == "zero3_offload" and qlora.preset == "zero3"
+            assert qlora.setup.four_bit and qlora.estimate.gpu_total <= gpu
+        else:
+            best = estimate(stats, Setup(stage=3, world_size=N, lora_rank=16, four_bit=True, checkpointing=True))
+            assert best.load > gpu and best.allocated == best.load
+    v2 = model_stats(PRESETS["deepseek-v2-lite"].config(), "deepseek-v2-lite")
+    assert sum(v2.four_bit_numels()) < 0.1 * v2.total and v2.routed_experts > 0.8 * v2.total
 
 
 @pytest.mark.parametrize("targets", ["attn", "attn,experts"])
@@ -203,8 +246,10 @@ def test_cli_table_and_recommendation(capsys: pytest.CaptureFixture[str]) -> Non
     table = lines[start : lines.index("", start)]
     assert len({len(line) for line in table}) == 1, "columns are aligned"
     assert {line.split()[0] for line in table[2:]} == {"1", "2", "3"}
-    assert len(table) == 2 + 7 * 2 * 2  # 7 stage/offload combos × full/LoRA × checkpointing off/on
-    assert "opt+param" in out and "LoRA r16" in out and "✓" in out
+    # 7 stage/offload combos × full/LoRA × checkpointing off/on, and QLoRA on the 6 without parameter offload
+    assert len(table) == 2 + 7 * 2 * 2 + 6 * 2
+    assert "opt+param" in out and "LoRA r16" in out and "QLoRA r16" in out and "✓" in out
+    assert not any("QLoRA" in line and "param" in line for line in table)
     assert "Recommended for full fine-tuning: ds_configs/zero2_bf16.json" in out
 
 
@@ -228,7 +273,7 @@ def test_cli_plans_a_preference_pair_as_two_untiled_sequences_and_recommends_who
     assert pairs == rows and pairs != half
     assert "micro-batch 2 pairs = 4 sequences" in out
     recommended = [line for line in out.splitlines() if line.startswith("Recommended for")]
-    assert len(recommended) == 2 and all(" pair " in line or " pairs " in line for line in recommended), recommended
+    assert len(recommended) == 3 and all(" pair " in line or " pairs " in line for line in recommended), recommended
     assert plan.main([*argv, "--preference", "--max-seq-len"]) == 2
     assert "error: --max-seq-len:" in capsys.readouterr().err
 
@@ -237,7 +282,7 @@ def test_cli_says_nothing_fits_for_deepseek_v3(capsys: pytest.CaptureFixture[str
     assert plan.main(["--model", "deepseek-v3", "--gpus", "3", "--gpu-mem", "24", "--cpu-mem", "128"]) == 0
     out = capsys.readouterr().out
     assert "✓" not in out
-    assert out.count("nothing fits") == 2  # full and LoRA
+    assert out.count("nothing fits") == 3  # full, LoRA and QLoRA
 
 
 def test_model_resolution(tmp_path: Path, monkeypatch: pytest.MonkeyPatch, tiny: plan.ModelStats) -> None:
@@ -386,15 +431,52 @@ def test_max_micro_batch_is_the_largest_that_fits(coder: plan.ModelStats) -> Non
 # ------------------------------------------------------------- measured: a real 3-rank DeepSpeed engine
 
 
+def qwen2_base(folder: Path) -> Path:
+    """A tiny Qwen2 (GQA, q/k/v biases, untied head) saved in bf16: the 16-bit base a QLoRA run quantises."""
+    from transformers import Qwen2Config, Qwen2ForCausalLM
+
+    torch.manual_seed(0)
+    config = Qwen2Config(
+        vocab_size=512, hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
+        num_key_value_heads=2, max_position_embeddings=256, tie_word_embeddings=False,
+    )  # fmt: skip
+    Qwen2ForCausalLM(config).to(torch.bfloat16).save_pretrained(folder)
+    return folder
+
+
 @pytest.mark.launcher
 @pytest.mark.parametrize("stage", [2, 3])
-def test_predicted_bytes_equal_what_deepspeed_holds(stage: int, tmp_path: Path, tiny: plan.ModelStats) -> None:
-    out = tmp_path / f"zero{stage}.json"
+def test_predicted_bytes_equal_what_deepspeed_holds(
+    stage: int, tmp_path: Path, tiny: plan.ModelStats, tiny_data: Path
+) -> None:
+    """Full fine-tuning of tiny-deepseek-v3 (every state), then train.py's own QLoRA engine in the same launch:
+    the 4-bit base's parameter bytes per rank (NF4 codes, their QuantState, the other weights, the adapters)."""
+    from helpers.zero_bytes import qlora_argv
+
+    from deepzero.run import plan_run
+
+    out, base = tmp_path / f"zero{stage}.json", qwen2_base(tmp_path / "qwen2")
     env = cpu_env(PYTHONPATH=str(REPO))
+    qlora = ["--qlora-base", str(base), "--qlora-data", str(tiny_data)]
     launch(
-        ["--stage", str(stage), "--out", str(out)], nproc=N, env=env, timeout=600, script="tests/helpers/zero_bytes.py"
+        ["--stage", str(stage), "--out", str(out), *qlora],
+        nproc=N,
+        env=env,
+        timeout=600,
+        script="tests/helpers/zero_bytes.py",
     )
     measured = json.loads(out.read_text())
+    run = plan_run(parse_args(qlora_argv(stage, str(base), str(tiny_data), str(tmp_path / "qlora"))), N)
+    setup = plan.run_setup(run.config, run.engine_settings, run.cfg, run.seq_len, N, True)
+    assert setup.four_bit and setup.label() == f"ZeRO-{stage} + QLoRA r8"
+    stats = model_stats(run.config, "qwen2", lora=run.engine_settings.lora)
+    quantised = stats.four_bit_numels()
+    assert len(quantised) == 14 and sum(quantised) == 2 * (2 * 64 * 64 + 2 * 64 * 32 + 3 * 64 * 128)  # q o, k v, MLP
+    predicted = estimate(stats, setup).params
+    for m in measured["ranks"]:
+        held = m["qlora"]["params"] + m["qlora"]["quant_state"]
+        assert held == predicted, f"rank {m['rank']}: holds {held} B of parameters, planned {predicted} B"
+        assert m["qlora"]["quant_state"] == sum(map(quant.quant_state_bytes, quantised))
     setup = plan.setup_from_ds_config(measured["ds_config"], world_size=N, seq_len=32, hidden_size=128)
     predicted = rank_states(tiny.param_numels, (), setup)
     for rank, (m, p) in enumerate(zip(measured["ranks"], predicted, strict=True)):

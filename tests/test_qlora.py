@@ -107,9 +107,13 @@ def qlora_run(request: pytest.FixtureRequest, tiny_data: Path, tmp_path_factory:
 
 @pytest.mark.launcher
 def test_qlora_trains_and_the_header_names_the_4bit_base(qlora_run: tuple) -> None:
-    name, _, out, log = qlora_run
+    name, base, out, log = qlora_run
     storage = "fp32" if name == "zero3" else "uint8"
     assert f"base in 4 bits (NF4, double quant, compute fp32, storage {storage})" in log, log[-3000:]
+    # counts are weights, not the packed codes' elements (8 weights per fp32 element here)
+    weights = sum(p.numel() for p in AutoModelForCausalLM.from_pretrained(base).parameters())
+    adapters = 2 * (2 * (8 * 64 + 64 * 8) + 2 * (8 * 64 + 32 * 8))  # r8 on q, o (64 -> 64) and k, v (64 -> 32)
+    assert f"trainable {adapters:,} of {weights + adapters:,} params" in log, log[-3000:]
     assert "world 3 on cpu (gloo)" in log and "partitioned at load" not in log
     curve = [losses(out)[s] for s in range(1, STEPS + 1)]
     assert sum(curve[-3:]) / 3 < sum(curve[:3]) / 3 - 0.02, curve

@@ -95,8 +95,8 @@ class ZeroEngine(DeepSpeedBacked):
             model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
         if sequence is not None:
             sp.install(model, sequence)
-        if four_bit is not None:  # the 4-bit base frozen, its norms in fp32, input gradients for checkpointing
-            model = quant.prepare(model, gradient_checkpointing)
+        if four_bit is not None:  # the 4-bit base frozen
+            model = quant.prepare(model)
         if lora is not None:  # after the build (ZeRO-3: already partitioned), before initialize
             model = apply_lora(model, lora)
         params = [p for p in model.parameters() if p.requires_grad]

@@ -49,6 +49,7 @@ _EXPORTS: dict[str, tuple[str, ...]] = {
         "RankStates",
         "Share",
         "estimate",
+        "four_bit_load_bytes",
         "gib",
         "host_bytes",
         "pipeline_parts",

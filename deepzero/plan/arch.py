@@ -64,6 +64,20 @@ class ModelStats:
     split's units (an lm_head tied to the embedding is counted in the embedding)."""
     moe_mask: tuple[bool, ...] = ()
     """Per decoder layer: whether its MLP is a mixture of experts."""
+    four_bit_mask: tuple[bool, ...] = ()
+    """Per entry of ``param_numels``: whether a 4-bit load (``--load-in-4bit``) quantises it. Transformers'
+    bitsandbytes loader replaces every ``nn.Linear`` but the output embedding (and the model's fp32 modules), so
+    routers and fused routed experts, which are not ``nn.Linear``, stay in the training dtype."""
+
+    def four_bit_numels(self) -> tuple[int, ...]:
+        """Numel of every weight a 4-bit load quantises, in model order."""
+        return tuple(n for n, q in zip(self.param_numels, self.four_bit_mask, strict=True) if q)
+
+    def float_numels(self, four_bit: bool) -> tuple[int, ...]:
+        """Numel of every parameter kept in floating point: all of them, or under a 4-bit load the others."""
+        if not four_bit:
+            return self.param_numels
+        return tuple(n for n, q in zip(self.param_numels, self.four_bit_mask, strict=True) if not q)
 
     def lora_numels(self, rank: int) -> tuple[int, ...]:
         """Numel of the LoRA A and B matrices, in model order."""
@@ -118,8 +132,31 @@ def model_stats(config: PretrainedConfig, name: str = "model", lora: LoraSpec | 
     moe_mask = tuple(hasattr(layer.mlp, "experts") for layer in model.model.layers)
     shapes = _lora_shapes(model, lora)
     return ModelStats(
-        name, arch, numels, sum(numels), sum(embeds.values()), routed, active, largest, shapes, stages, moe_mask
+        name,
+        arch,
+        numels,
+        sum(numels),
+        sum(embeds.values()),
+        routed,
+        active,
+        largest,
+        shapes,
+        stages,
+        moe_mask,
+        _four_bit_mask(model, params),
     )
+
+
+def _four_bit_mask(model: torch.nn.Module, params: list[torch.nn.Parameter]) -> tuple[bool, ...]:
+    """Which of ``params`` Transformers' 4-bit loader quantises: its own rule (``replace_with_bnb_linear`` on every
+    ``nn.Linear`` outside ``get_keys_to_not_convert`` and the model's ``_keep_in_fp32_modules``)."""
+    from transformers.quantizers.base import get_keys_to_not_convert
+    from transformers.quantizers.quantizers_utils import should_convert_module
+
+    skip = get_keys_to_not_convert(model) + list(getattr(model, "_keep_in_fp32_modules", None) or [])
+    linears = model.named_modules()
+    quantised = {id(m.weight) for n, m in linears if type(m) is torch.nn.Linear and should_convert_module(n, skip)}
+    return tuple(id(p) in quantised for p in params)
 
 
 def _lora_shapes(model: torch.nn.Module, spec: LoraSpec | None) -> tuple[tuple[int, int], ...]:

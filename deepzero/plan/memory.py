@@ -6,6 +6,7 @@ from __future__ import annotations
 from collections.abc import Sequence
 from dataclasses import dataclass
 
+from deepzero import quant
 from deepzero.plan.activations import activation_bytes, logits_bytes, offloaded_bytes
 from deepzero.plan.arch import ModelStats
 from deepzero.plan.setup import LayerSplitLayout, PipelineLayout, Setup
@@ -112,12 +113,16 @@ class Estimate:
     trainable: int
     where: str = "every rank"
     """The busiest holder these bytes are for: every rank (ZeRO), a pipeline stage, a card of the layer split."""
+    load: int = 0
+    """Bytes on the card while the model loads, before the engine holds its states: a 4-bit base whole on every
+    card (``four_bit_load_bytes``); 0 where loading never holds more than the states."""
 
     @property
     def allocated(self) -> int:
-        """Predicted torch.cuda.max_memory_allocated: states + the larger of backward and step working sets."""
+        """Predicted torch.cuda.max_memory_allocated: states + the larger of backward and step working sets, or
+        the load if that is more."""
         states = self.params + self.grads + self.optimizer
-        return states + max(self.activations + self.logits + self.buffers, self.step)
+        return max(states + max(self.activations + self.logits + self.buffers, self.step), self.load)
 
     @property
     def gpu_total(self) -> int:
@@ -179,8 +184,26 @@ def shares(stats: ModelStats, setup: Setup) -> list[Share]:
             for k in range(layout.cards)
         ]
     if setup.lora_rank:
-        return [Share("every rank", stats.lora_numels(setup.lora_rank), stats.param_numels, range(layers), True)]
+        frozen = stats.float_numels(setup.four_bit) + _packed_numels(stats, setup) * setup.four_bit
+        return [Share("every rank", stats.lora_numels(setup.lora_rank), frozen, range(layers), True)]
     return [Share("every rank", stats.param_numels, (), range(layers), True)]
+
+
+def _packed_numels(stats: ModelStats, setup: Setup) -> tuple[int, ...]:
+    """A 4-bit base's NF4 codes as DeepSpeed sees them: elements of the training dtype's size (ZeRO-3 stores them
+    so, and partitions them like any parameter; ZeRO-0/1/2 keep them whole as uint8, the same bytes)."""
+    p = setup.bytes_per_value
+    return tuple(-(-quant.packed_bytes(n) // p) for n in stats.four_bit_numels())
+
+
+def four_bit_load_bytes(stats: ModelStats, setup: Setup) -> int:
+    """Bytes on each card once a 4-bit base has loaded and its adapters are added, before ``deepspeed.initialize``:
+    the whole base on every rank (no ``zero.Init`` for a quantised load), its NF4 codes and their constants, its
+    other weights in the training dtype (``quant.prepare`` keeps them so), the adapters in fp32 (peft's default)."""
+    quantised = stats.four_bit_numels()
+    codes = sum(quant.packed_bytes(n) + quant.quant_state_bytes(n) for n in quantised)
+    floats = setup.bytes_per_value * sum(stats.float_numels(True))
+    return codes + floats + 4 * sum(stats.lora_numels(setup.lora_rank))
 
 
 def _states(stats: ModelStats, setup: Setup, share: Share) -> tuple[int, int, int, int, int, RankStates]:
@@ -202,6 +225,8 @@ def _states(stats: ModelStats, setup: Setup, share: Share) -> tuple[int, int, in
         return p * rs.params, grad_bytes * rs.grads, ADAM_K * rs.optimizer, 4 * rs.step_chunk, buffers, rs
     off_opt, off_par = setup.offload_optimizer, setup.offload_params
     params = p * (rs.persistent if off_par else rs.params)
+    if setup.four_bit:  # each 4-bit weight's QuantState is not a parameter: whole on every rank
+        params += sum(quant.quant_state_bytes(n) for n in stats.four_bit_numels())
     grads = 0 if off_opt and setup.stage >= 2 else p * rs.grads
     optimizer = 0 if off_opt else ADAM_K * rs.optimizer
     step = 0 if off_opt else 4 * rs.step_chunk
@@ -214,12 +239,14 @@ def _states(stats: ModelStats, setup: Setup, share: Share) -> tuple[int, int, in
         buffers = p * k.reduce_bucket_size * (2 if overlap else 1)
     else:
         buffers = 0
+    if setup.four_bit:  # the 4-bit layer being computed, dequantised to the compute dtype for its matmul
+        buffers += p * max(stats.four_bit_numels(), default=0)
     return params, grads, optimizer, step, buffers, rs
 
 
 def host_bytes(stats: ModelStats, setup: Setup, rs: RankStates) -> tuple[int, int, int]:
     """(host RAM of the machine, offloaded states, transient load bytes): pretrained weights load in the training
-    dtype, a random-init model is built in fp32; every process builds the whole model except under ZeRO-3."""
+    dtype, a random-init model is built in fp32; every process builds the whole model in host RAM except under ZeRO-3 and for a 4-bit base (straight to the card)."""
     p, n = setup.bytes_per_value, setup.world_size
     procs = 1 if isinstance(setup.layout, LayerSplitLayout) else n
     host_states = 0
@@ -229,8 +256,9 @@ def host_bytes(stats: ModelStats, setup: Setup, rs: RankStates) -> tuple[int, in
         host_states += n * p * (rs.params - rs.persistent)
     host_states += procs * offloaded_bytes(stats, setup)
     load_bytes = p if setup.pretrained else 4
-    zero3 = setup.layout is None and setup.stage == 3  # partitions module by module while loading
-    load = procs * load_bytes * (stats.largest_module if zero3 else stats.total)
+    # ZeRO-3 partitions module by module while loading; a 4-bit load puts each tensor on the card as it reads it
+    streamed = setup.layout is None and (setup.stage == 3 or setup.four_bit)
+    load = procs * load_bytes * (stats.largest_module if streamed else stats.total)
     return procs * HOST_PER_RANK + max(load, host_states), host_states, load
 
 
@@ -263,6 +291,7 @@ def estimate(stats: ModelStats, setup: Setup) -> Estimate:
                 load,
                 sum(share.trainable),
                 share.where,
+                four_bit_load_bytes(stats, setup) if setup.four_bit else 0,
             )
         )
     return max(out, key=lambda e: e.gpu_total)

@@ -43,6 +43,7 @@ def _micro1_setup(
     lora_rank: int,
     pretrained: bool,
     savers: SaverTerms,
+    four_bit: bool = False,
 ) -> Setup:
     """A preset's Setup at micro-batch 1 (what ``recommend`` and the longest-sequence search start from)."""
     return setup_from_ds_config(
@@ -55,7 +56,14 @@ def _micro1_setup(
         micro_batch=1,
         pretrained=pretrained,
         savers=savers,
+        four_bit=four_bit,
     )
+
+
+def _four_bit_allowed(ds: dict[str, Any]) -> bool:
+    """Whether a preset can hold a 4-bit base: anything but ZeRO-3 parameter offload (``quant.choose``)."""
+    offload = ds.get("zero_optimization", {}).get("offload_param") or {}
+    return offload.get("device", "none") in ("none", None)
 
 
 @dataclass(frozen=True)
@@ -77,14 +85,18 @@ def recommend(
     pretrained: bool = True,
     savers: SaverTerms | None = None,
     min_micro: int = 1,
+    four_bit: bool = False,
 ) -> Recommendation | None:
     """First preset (fastest first) that fits at micro-batch ``min_micro`` (a preference pair: 2 sequences),
-    preferring no activation checkpointing; ``savers`` None = train.py's defaults (the tiled loss)."""
+    preferring no activation checkpointing; ``savers`` None = train.py's defaults (the tiled loss); ``four_bit``:
+    LoRA on a 4-bit base (QLoRA), which no parameter-offload preset takes."""
     savers = SaverTerms.choose(stats.arch) if savers is None else savers
     for name in presets:
         ds = load_preset(name)
+        if four_bit and not _four_bit_allowed(ds):
+            continue
         for ckpt in (False, True):
-            setup = _micro1_setup(ds, stats, world_size, seq_len, ckpt, lora_rank, pretrained, savers)
+            setup = _micro1_setup(ds, stats, world_size, seq_len, ckpt, lora_rank, pretrained, savers, four_bit)
             mb = max_micro_batch(stats, setup, gpu_mem, cpu_mem) // min_micro * min_micro
             if mb:
                 setup = replace(setup, micro_batch=mb)

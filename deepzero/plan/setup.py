@@ -135,6 +135,10 @@ class Setup:
     sequence_parallel: int = 1
     """Ranks each sequence is split over (``deepzero.sequence_parallel``): a rank holds ``seq_len / N`` tokens of
     every row, the group's keys and values of the layer it computes, and one query chunk's mask."""
+    four_bit: bool = False
+    """The frozen base in 4 bits under the LoRA adapters (``--load-in-4bit``, ``deepzero.quant``): every weight
+    ``ModelStats.four_bit_mask`` marks as NF4 codes plus its quantisation constants, the rest in the training dtype;
+    loaded whole on every card before the engine partitions it (Transformers' 4-bit loader has no ``zero.Init``)."""
 
     @property
     def tokens(self) -> int:
@@ -151,6 +155,12 @@ class Setup:
             raise UserError("precision", f"unknown precision {self.precision!r}", "use bf16, fp16 or fp32")
         if isinstance(self.layout, PipelineLayout) and (self.stage > 1 or self.world_size % self.layout.stages):
             raise UserError("pipeline", "needs ZeRO stage 0 or 1 and stages dividing the world", "see PipelineSettings")
+        if self.four_bit and (not self.lora_rank or self.layout is not None or self.offload_params):
+            raise UserError(
+                "--load-in-4bit",
+                "a 4-bit base needs LoRA on the ZeRO engine without parameter offload",
+                "add --lora, use a ZeRO preset, drop offload_param",
+            )
 
     @property
     def bytes_per_value(self) -> int:
@@ -164,7 +174,7 @@ class Setup:
         return 1 if isinstance(self.layout, LayerSplitLayout) else self.world_size
 
     def label(self) -> str:
-        lora = f" + LoRA r{self.lora_rank}" if self.lora_rank else ""
+        lora = f" + {'QLoRA' if self.four_bit else 'LoRA'} r{self.lora_rank}" if self.lora_rank else ""
         if isinstance(self.layout, PipelineLayout):
             return f"pipeline {self.layout.stages} stages × data-parallel {self.dp_size} (ZeRO-{self.stage})"
         if isinstance(self.layout, LayerSplitLayout):
@@ -191,6 +201,7 @@ def setup_from_ds_config(
     micro_batch: int | None = None,
     pretrained: bool = False,
     savers: SaverTerms | None = None,
+    four_bit: bool = False,
 ) -> Setup:
     """Read the memory-relevant keys of a DeepSpeed config; "auto" sizes get HF's hidden-size rules."""
     zero = ds.get("zero_optimization", {})
@@ -221,6 +232,7 @@ def setup_from_ds_config(
         zero=knobs,
         pretrained=pretrained,
         savers=savers or SaverTerms(),
+        four_bit=four_bit,
     )
 
 
@@ -284,6 +296,7 @@ def run_setup(
             checkpointing=engine.gradient_checkpointing,
             lora_rank=engine.lora.r if engine.lora else 0,
             sequence_parallel=getattr(engine, "sequence_parallel", 1),
+            four_bit=engine.four_bit is not None,
         )
     if isinstance(engine, PipelineSettings):
         accum_dtype = cfg.ds.get("data_types", {}).get("grad_accum_dtype")

@@ -103,7 +103,8 @@ def table_setups(
     pretrained: bool = True,
     savers: SaverTerms | None = None,
 ) -> list[Setup]:
-    """Every stage × offload × {full, LoRA} × {checkpointing off, on} combination."""
+    """Every stage × offload × {full, LoRA, QLoRA} × {checkpointing off, on} combination (QLoRA: LoRA on a 4-bit
+    base, without parameter offload)."""
     out = []
     for stage, opt, par, preset in TABLE_ROWS:
         ds = load_preset(preset)
@@ -111,7 +112,8 @@ def table_setups(
         zero["offload_optimizer"] = {"device": "cpu" if opt else "none"}
         zero["offload_param"] = {"device": "cpu" if par else "none"}
         ds = {**ds, "zero_optimization": zero, "bf16": {"enabled": True}}
-        for lora in (0, lora_rank):
+        trainings = [(0, False), (lora_rank, False)] + [(lora_rank, True)] * (pretrained and not par)
+        for lora, four_bit in trainings:
             for ckpt in (False, True):
                 out.append(
                     setup_from_ds_config(
@@ -124,6 +126,7 @@ def table_setups(
                         micro_batch=micro_batch,
                         pretrained=pretrained,
                         savers=SaverTerms.choose(stats.arch) if savers is None else savers,
+                        four_bit=four_bit,
                     )
                 )
     return out
@@ -177,7 +180,7 @@ def render(stats: ModelStats, world_size: int, gpu_mem_gb: float, cpu_mem_gb: fl
             [
                 str(setup.stage),
                 off or "-",
-                f"LoRA r{setup.lora_rank}" if setup.lora_rank else "full",
+                f"{'QLoRA' if setup.four_bit else 'LoRA'} r{setup.lora_rank}" if setup.lora_rank else "full",
                 "on" if setup.checkpointing else "off",
                 *(gib(x) for x in (e.params, e.grads, e.optimizer, e.activations, e.logits, e.buffers)),
                 gib(e.gpu_total),
@@ -194,12 +197,21 @@ def render(stats: ModelStats, world_size: int, gpu_mem_gb: float, cpu_mem_gb: fl
         f"copy made by the step) + {gib(CUDA_RESERVE)} GiB CUDA/NCCL + {FRAGMENTATION:.0%} fragmentation. "
         f"host = whole machine ({'pretrained weights load in the training dtype' if pretrained else 'random init: built in fp32'}). max mb = largest micro-batch that fits.",
     ]
-    for what, rank in (("full fine-tuning", 0), (f"LoRA r{lora_rank}", lora_rank)):
+    trainings = [("full fine-tuning", 0, False), (f"LoRA r{lora_rank}", lora_rank, False)]
+    trainings += [(f"QLoRA r{lora_rank} (4-bit base)", lora_rank, True)] * pretrained
+    for what, rank, four_bit in trainings:
         rec = recommend(
             stats, world_size, seq_len, gpu_mem, cpu_mem, lora_rank=rank, pretrained=pretrained, savers=savers,
-            min_micro=pair_rows,
+            min_micro=pair_rows, four_bit=four_bit,
         )  # fmt: skip
         lines.append(_recommendation_line(what, rec, gpu_mem_gb, pair_rows))
+    if pretrained and stats.four_bit_mask:
+        quantised = sum(stats.four_bit_numels())
+        lines.append(
+            f"QLoRA quantises {_count(quantised)} of the {_count(stats.total)} parameters (every nn.Linear but the"
+            " LM head; routers and fused routed experts stay 16-bit) and loads the whole 4-bit base on every card"
+            " before ZeRO partitions it (GPU counts that load where it is the peak)."
+        )
     return "\n".join(lines)
 
 
@@ -231,9 +243,9 @@ def fit_table(world_size: int, gpu_mem_gb: float, cpu_mem_gb: float, seq_len: in
     gpu_mem, cpu_mem = gpu_mem_gb * GiB, cpu_mem_gb * GiB
     box = f"{world_size}× {gpu_mem_gb:g} GB"
     rows = [
-        f"| model | full fine-tune | LoRA r{lora_rank} | longest sequence on {box}, full | "
+        f"| model | full fine-tune | LoRA r{lora_rank} | QLoRA r{lora_rank} | longest sequence on {box}, full | "
         f"longest sequence on {box}, LoRA r{lora_rank} |",
-        "|---|---|---|---|---|",
+        "|---|---|---|---|---|---|",
     ]
     for name, preset in PRESETS.items():
         if preset.hub_id is None:
@@ -241,9 +253,11 @@ def fit_table(world_size: int, gpu_mem_gb: float, cpu_mem_gb: float, seq_len: in
         stats = model_stats(preset.config(), name)
         full = recommend(stats, world_size, seq_len, gpu_mem, cpu_mem)
         lora = recommend(stats, world_size, seq_len, gpu_mem, cpu_mem, lora_rank=lora_rank)
+        qlora = recommend(stats, world_size, seq_len, gpu_mem, cpu_mem, lora_rank=lora_rank, four_bit=True)
         longest = [
             _seq_cell(longest_sequence(stats, world_size, gpu_mem, cpu_mem, lora_rank=rank), stats.arch)
             for rank in (0, lora_rank)
         ]
-        rows.append(f"| {name} | {_fit_cell(full, True)} | {_fit_cell(lora, False)} | {' | '.join(longest)} |")
+        cells = [_fit_cell(full, True), _fit_cell(lora, False), _fit_cell(qlora, True), *longest]
+        rows.append(f"| {name} | {' | '.join(cells)} |")
     return "\n".join(rows)

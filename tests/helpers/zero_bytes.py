@@ -8,6 +8,10 @@ Builds the ``tiny-deepseek-v3`` preset, runs one bf16 AdamW step under ZeRO-2 or
 rank, the bytes of the low-precision parameters, the gradient partition (measured after backward, before the
 step) and the optimizer state (fp32 master partition + Adam moments). Tensors are counted by unique storage,
 so views into DeepSpeed's flat buffers are not counted twice.
+
+With ``--qlora-base FOLDER --qlora-data DIR`` the same launch then builds train.py's own QLoRA engine (``setup``:
+the folder's model in 4 bits, LoRA r8 on the attention, the stage's bf16 preset), runs one step of it and adds
+every rank's parameter bytes (partitions, persistent copies, NF4 codes and their ``QuantState``) as ``qlora``.
 """
 
 from __future__ import annotations
@@ -83,6 +87,52 @@ def optimizer_bytes(engine: Any, stage: int) -> dict[str, int]:
     }
 
 
+QLORA_PRESETS = {2: "ds_configs/zero2_bf16.json", 3: "ds_configs/zero3.json"}
+
+
+def qlora_argv(stage: int, base: str, data: str, out: str) -> list[str]:
+    """train.py's flags for the measured QLoRA engine (the test plans the same flags)."""
+    return [
+        "--deepspeed_config", QLORA_PRESETS[stage], "--model", base, "--data", data, "--out", out,
+        "--lora", "r=8,targets=attn", "--load-in-4bit", "--precision", "bf16", "--micro-batch", "1",
+        "--grad-accum", "1", "--ds", "train_batch_size=auto",
+    ]  # fmt: skip
+
+
+def held_param_bytes(module: torch.nn.Module) -> dict[str, int]:
+    """What a rank holds of ``module``'s parameters: ZeRO-3 partitions (and the whole of persistent ones) or the
+    tensors themselves, and each 4-bit weight's ``QuantState`` (its absmax constants and code tables)."""
+    tensors: dict[str, list[torch.Tensor]] = {"params": [], "quant_state": []}
+    for param in module.parameters():
+        part = getattr(param, "ds_tensor", None)
+        tensors["params"] += [param.data] if part is None or getattr(param, "ds_persist", False) else []
+        tensors["params"] += [part] if part is not None else []
+        state = getattr(param, "quant_state", None)
+        if state is not None:
+            parts = [state.absmax, state.code, state.offset]
+            parts += [state.state2.absmax, state.state2.code] if state.state2 is not None else []
+            tensors["quant_state"] += parts
+    return {what: storage_bytes(ts) for what, ts in tensors.items()}
+
+
+def qlora_bytes(stage: int, base: str, data: str, out: str) -> dict[str, int]:
+    """One train_step of train.py's QLoRA engine, then the parameter bytes this rank holds."""
+    import contextlib
+
+    from transformers.integrations.deepspeed import unset_hf_deepspeed_config
+
+    from deepzero.args import parse_args
+    from deepzero.run import setup
+    from deepzero.trainer import micro_batches
+
+    unset_hf_deepspeed_config()
+    run = setup(parse_args(qlora_argv(stage, base, data, out)))
+    with contextlib.closing(micro_batches(run)) as batches:
+        run.engine.train_step(batches)
+    run.sink.close()
+    return held_param_bytes(run.engine.engine.module)
+
+
 def ds_config(stage: int) -> dict[str, Any]:
     return {
         "train_batch_size": 3,
@@ -99,6 +149,8 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--stage", type=int, choices=(2, 3), required=True)
     parser.add_argument("--out", type=Path, required=True)
+    parser.add_argument("--qlora-base", help="a 16-bit model folder: also measure train.py's QLoRA engine")
+    parser.add_argument("--qlora-data", help="train.py's --data for the QLoRA engine")
     parser.add_argument("--local_rank", type=int, default=0, help="set by the deepspeed launcher")
     args = parser.parse_args()
 
@@ -125,6 +177,8 @@ def main() -> None:
         **optimizer_bytes(engine, args.stage),
         "loss": loss.item(),
     }
+    if args.qlora_base:
+        row["qlora"] = qlora_bytes(args.stage, args.qlora_base, args.qlora_data, str(args.out.parent / "qlora"))
     rows: list[Any] = [None] * dist.get_world_size()
     dist.all_gather_object(rows, row)
     if dist.get_rank() == 0:
