@@ -110,15 +110,7 @@ def print_header(run: RunView, model_name: str) -> None:
         *([run.savers.describe()] if run.savers is not None else []),
         f"lr: peak {cfg.ds['optimizer']['params']['lr']:g} from {run.lr_source}; scheduler {cfg.ds.get('scheduler', {}).get('type', 'none')}"
         f" {_sched_brief(cfg.ds)}",
-        f"data: {run.args.data}  {len(run.train_data) * run.train_data.rows_per_sample:,} train rows"
-        f" × {run.seq_len} tokens"
-        + (f", {len(run.val_data) * run.val_data.rows_per_sample:,} val rows" if run.val_data is not None else "")
-        + (
-            f" ({len(run.train_data):,} train pairs, 2 rows each)"
-            if run.train_data.rows_per_sample == 2
-            else f"; packing {_PACKING[run.args.packing]}"
-        )
-        + f"; {run.engine.objective.describe()}",
+        _data_line(run) + f"; {run.engine.objective.describe()}",
         *([run.reference_line] if run.reference_line else []),
         f"FLOPs/token {run.flops_per_token:.3g}; MFU "
         + (
@@ -130,6 +122,20 @@ def print_header(run: RunView, model_name: str) -> None:
     if run.state.step:
         lines.append(f"resumed from step {run.state.step} ({run.state.tokens_seen:,} tokens seen)")
     print("\n".join(lines), flush=True)
+
+
+def _data_line(run: RunView) -> str:
+    """What the run trains on: rows and their packing, pairs, or prompts (GRPO generates the rest of each row)."""
+    train, val = run.train_data, run.val_data
+    prompt_len = getattr(train, "max_prompt_len", None)
+    if prompt_len is not None:
+        held_out = f", {len(val):,} val prompts" if val is not None else ""
+        return f"data: {run.args.data}  {len(train):,} train prompts{held_out} of at most {prompt_len} tokens"
+    line = f"data: {run.args.data}  {len(train) * train.rows_per_sample:,} train rows × {run.seq_len} tokens"
+    line += f", {len(val) * val.rows_per_sample:,} val rows" if val is not None else ""
+    if train.rows_per_sample == 2:
+        return line + f" ({len(train):,} train pairs, 2 rows each)"
+    return line + f"; packing {_PACKING[run.args.packing]}"
 
 
 _PACKING = {

@@ -9,6 +9,7 @@ log-probs: per loss type, with and without the KL term, the loss, its gradient a
 from __future__ import annotations
 
 import copy
+import json
 import types
 from collections import defaultdict
 from contextlib import nullcontext
@@ -274,6 +275,10 @@ def test_train_py_logs_trls_metrics_and_resumes_exactly_and_1x3_equals_3x1(rl_ru
     resumed = {r["step"]: r for r in records(root / "resumed")}
     one = {r["step"]: r for r in records(root / "one")}
     assert "resumed from step 2" in rl_runs["resumed"].stdout
+    meta = json.loads((root / "data" / "meta.json").read_text())
+    rows, longest = meta["n_rows"], meta["max_prompt_len"]
+    header = f" {rows['train']:,} train prompts, {rows['val']:,} val prompts of at most {longest} tokens; loss: GRPO"
+    assert header in rl_runs["resumed"].stdout
     assert "rewards/share/mean" in full[1] and "frac_reward_zero_std" in full[1]
     assert (root / "full" / "completions.jsonl").read_text().count("\n") == STEPS
     assert sorted(resumed) == [3, 4]
