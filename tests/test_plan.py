@@ -148,6 +148,68 @@ def test_qlora_fits_32b_on_24gb_cards_and_says_why_70b_and_v2_lite_do_not() -> N
     assert sum(v2.four_bit_numels()) < 0.1 * v2.total and v2.routed_experts > 0.8 * v2.total
 
 
+@pytest.mark.parametrize("name", ["tiny-deepseek-v3", "tiny-deepseek-v2", "qwen2-gqa"])
+def test_grpo_plans_the_kv_cache_transformers_really_keeps(name: str) -> None:
+    """The planner's KV cache of a GRPO group equals the bytes of the DynamicCache Transformers' forward builds for
+    G rows of prompt + completion (MLA: the latent and the rotary key; GQA: every KV head's key and value)."""
+    from transformers import AutoModelForCausalLM, Qwen2Config
+
+    if name == "qwen2-gqa":
+        config = Qwen2Config(
+            vocab_size=512, hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
+            num_key_value_heads=2,
+        )  # fmt: skip
+    else:
+        config = get_preset(name).config()
+    stats = model_stats(config, name)
+    setup = Setup(stage=2, world_size=N, seq_len=12, precision="fp32", grpo=plan.GrpoTerms(3, prompt_len=5))
+    model = AutoModelForCausalLM.from_config(config).eval()
+    with torch.no_grad():
+        cache = model(input_ids=torch.randint(0, 100, (3, 12)), use_cache=True).past_key_values
+    held = sum(t.numel() * t.element_size() for layer in cache.layers for t in (layer.keys, layer.values))
+    assert held == plan.kv_cache_bytes(stats, setup) > 0
+
+
+def test_grpo_adds_generation_to_the_peak_and_answers_the_issues_models() -> None:
+    """Generation (KV cache, prefill, logits; ZeRO-3's gathered model) and the frozen reference copy count on the
+    card; R1-Distill-Qwen-1.5B and 7B on 3 × 24 GiB: completions grow with checkpointing and LoRA, 7B trains only
+    with LoRA."""
+    stats = model_stats(PRESETS["deepseek-r1-distill-qwen-7b"].config(), "7b")
+    grpo = plan.GrpoTerms(8, prompt_len=512)
+    base = Setup(stage=3, world_size=N, seq_len=512 + 2048, lora_rank=16, checkpointing=True)
+    plain, with_grpo = estimate(stats, base), estimate(stats, replace(base, grpo=grpo))
+    gathered = 2 * stats.total
+    kv = plan.kv_cache_bytes(stats, replace(base, grpo=grpo))
+    assert kv == 8 * 2560 * 28 * (2 * 4 * 128) * 2  # G × tokens × layers × (k + v of 4 KV heads × 128) × bf16
+    assert with_grpo.generation > gathered + kv and plain.generation == 0
+    assert with_grpo.gpu_total > plain.gpu_total
+    full = replace(base, stage=2, lora_rank=0, grpo=replace(grpo, reference_copy=True))
+    assert estimate(stats, full).params == estimate(stats, replace(full, grpo=grpo)).params + 2 * stats.total
+    with pytest.raises(UserError, match="leave no completion"):
+        replace(base, seq_len=512, grpo=grpo)
+    for name, full_fits in (("deepseek-r1-distill-qwen-1.5b", True), ("deepseek-r1-distill-qwen-7b", False)):
+        model = model_stats(PRESETS[name].config(), name)
+        full = plan.longest_completions(model, N, 24 * GiB, 128 * GiB, grpo)
+        lora = plan.longest_completions(model, N, 24 * GiB, 128 * GiB, grpo, lora_rank=16)
+        assert (max(r.seq_len for r in full) > 0) == full_fits, name
+        assert max(r.seq_len for r in lora) >= max(r.seq_len for r in full)
+        for r in [*full, *lora]:
+            if r.seq_len:
+                assert r.estimate.fits(24 * GiB, 128 * GiB)
+                assert not estimate(model, replace(r.setup, seq_len=r.setup.seq_len + 256)).fits(24 * GiB, 128 * GiB)
+        ckpt = {(r.preset, r.setup.checkpointing): r.seq_len for r in lora}
+        assert all(ckpt[p, True] >= ckpt[p, False] for p, _ in ckpt)
+
+
+def test_cli_grpo_prints_the_longest_completions(capsys: pytest.CaptureFixture[str]) -> None:
+    argv = ["--model", "deepseek-r1-distill-qwen-1.5b", "--grpo", "--num-generations", "4", "--prompt-len", "256"]
+    assert plan.main(argv) == 0
+    out = capsys.readouterr().out
+    assert "4 completions per prompt generated together, prompts of 256 tokens" in out
+    assert "zero3_offload" in out and "LoRA r16 (KV cache, GPU GiB)" in out and "KV " in out
+    assert plan.main([*argv[:3], "--num-generations", "0"]) == 2
+
+
 @pytest.mark.parametrize("targets", ["attn", "attn,experts"])
 def test_lora_spec_counts_what_peft_wraps(targets: str) -> None:
     """check_fit's LoRA trainable count is the one apply_lora leaves trainable (tiny V3: 16,640 attn; 68,864 with

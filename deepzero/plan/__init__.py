@@ -1,10 +1,11 @@
 """Memory planner: will a model train under ZeRO 1/2/3 on these cards? Reads only the config (meta device).
 
-One module per job, imports pointing one way (arch <- setup <- activations <- memory <- search <- tables <- cli,
-and search <- fit): ``arch`` the model's shapes and parameter counts, ``setup`` the run to size (from a preset or a
-RunPlan's decisions), ``activations`` what a micro-batch saves for backward, ``memory`` ZeRO's states and the
-``estimate``, ``search`` micro-batch / preset / longest-sequence searches, ``tables`` the reports, ``fit`` the
-start-of-run check train.py calls, ``cli`` the command line (``python -m deepzero.plan``). Formulas: docs/memory.md.
+One module per job, imports pointing one way (arch <- setup <- activations, generation <- memory <- search <- tables
+<- cli, and search <- fit): ``arch`` the model's shapes and parameter counts, ``setup`` the run to size (from a preset
+or a RunPlan's decisions), ``activations`` what a micro-batch saves for backward, ``generation`` what GRPO's sampling
+adds, ``memory`` ZeRO's states and the ``estimate``, ``search`` micro-batch / preset / longest-sequence searches,
+``tables`` the reports, ``fit`` the start-of-run check train.py calls, ``cli`` the command line (``python -m
+deepzero.plan``). Formulas: docs/memory.md.
 
 Every public name is importable from here (``from deepzero.plan import estimate``); its module loads on first use,
 so a training start that imports ``deepzero.plan.fit`` never loads the tables or the command line.
@@ -19,6 +20,7 @@ _EXPORTS: dict[str, tuple[str, ...]] = {
     "arch": ("Arch", "ModelStats", "model_stats"),
     "setup": (
         "DS_CONFIG_DIR",
+        "GrpoTerms",
         "LayerSplitLayout",
         "Layout",
         "PipelineLayout",
@@ -39,6 +41,7 @@ _EXPORTS: dict[str, tuple[str, ...]] = {
         "offloaded_bytes",
         "sequence_mask_bytes",
     ),
+    "generation": ("generation_bytes", "kv_cache_bytes", "kv_cache_width", "reference_copy_bytes"),
     "memory": (
         "ADAM_K",
         "CUDA_RESERVE",
@@ -57,6 +60,7 @@ _EXPORTS: dict[str, tuple[str, ...]] = {
         "shares",
     ),
     "search": (
+        "COMPLETION_STEP",
         "MAX_MICRO_BATCH",
         "MAX_SEQ_SEARCH",
         "PRESET_ORDER",
@@ -66,11 +70,22 @@ _EXPORTS: dict[str, tuple[str, ...]] = {
         "Recommendation",
         "longest_seq_len",
         "longest_sequence",
+        "longest_completion",
+        "longest_completions",
         "longest_sequences",
         "max_micro_batch",
         "recommend",
     ),
-    "tables": ("LORA_RANK", "TABLE_ROWS", "fit_table", "format_table", "render", "render_longest", "table_setups"),
+    "tables": (
+        "LORA_RANK",
+        "TABLE_ROWS",
+        "fit_table",
+        "format_table",
+        "render",
+        "render_grpo",
+        "render_longest",
+        "table_setups",
+    ),
     "fit": ("check_fit", "detected_cpu_mem_gb", "detected_gpu_mem_gb"),
     "cli": ("PAIR_ROWS", "main"),
 }

@@ -18,8 +18,8 @@ from collections.abc import Sequence
 from deepzero.errors import UserError
 from deepzero.modeling import planning_config
 from deepzero.plan.arch import model_stats
-from deepzero.plan.setup import SaverTerms
-from deepzero.plan.tables import LORA_RANK, fit_table, render, render_longest
+from deepzero.plan.setup import GrpoTerms, SaverTerms
+from deepzero.plan.tables import LORA_RANK, fit_table, render, render_grpo, render_longest
 from deepzero.presets import PRESETS
 
 PAIR_ROWS = 2
@@ -50,6 +50,14 @@ def main(argv: Sequence[str] | None = None) -> int:
         help="preference pairs (DPO): --micro-batch pairs = 2 sequences each, log-probs tiled like the LM loss,"
         " no reference model (its log-probs precomputed, or LoRA's adapters off)",
     )
+    parser.add_argument(
+        "--grpo",
+        action="store_true",
+        help="GRPO: the longest completion each preset generates and trains, full and LoRA (KV cache of"
+        " --num-generations × (--prompt-len + completion) tokens while generating)",
+    )
+    parser.add_argument("--num-generations", type=int, default=8, help="--grpo: completions per prompt (G)")
+    parser.add_argument("--prompt-len", type=int, default=512, help="--grpo: the longest prompt, in tokens")
     args = parser.parse_args(argv)
     if args.preference and args.max_seq_len:
         print(
@@ -58,7 +66,9 @@ def main(argv: Sequence[str] | None = None) -> int:
             file=sys.stderr,
         )
         return 2
-    for flag, value in (("--gpus", args.gpus), ("--seq-len", args.seq_len), ("--micro-batch", args.micro_batch)):
+    counts = [("--gpus", args.gpus), ("--seq-len", args.seq_len), ("--micro-batch", args.micro_batch)]
+    counts += [("--num-generations", args.num_generations), ("--prompt-len", args.prompt_len)]
+    for flag, value in counts:
         if value < 1:
             print(f"error: {flag} {value}: must be at least 1. Fix: pass a positive number", file=sys.stderr)
             return 2
@@ -75,6 +85,10 @@ def main(argv: Sequence[str] | None = None) -> int:
         print(f"error: {err}", file=sys.stderr)
         return 2
     pretrained = not (args.model in PRESETS and PRESETS[args.model].hub_id is None)
+    if args.grpo:
+        grpo = GrpoTerms(args.num_generations, args.prompt_len)
+        print(render_grpo(stats, args.gpus, args.gpu_mem, args.cpu_mem, grpo, args.lora_rank))
+        return 0
     if args.max_seq_len:
         kw = {"pretrained": pretrained, "tiled_loss": args.tiled_loss == "on"}
         print(render_longest(stats, args.gpus, args.gpu_mem, args.cpu_mem, args.lora_rank, **kw))

@@ -9,6 +9,7 @@ from dataclasses import dataclass
 from deepzero import quant
 from deepzero.plan.activations import activation_bytes, logits_bytes, offloaded_bytes
 from deepzero.plan.arch import ModelStats
+from deepzero.plan.generation import generation_bytes, reference_copy_bytes
 from deepzero.plan.setup import LayerSplitLayout, PipelineLayout, Setup
 
 GiB = 2**30
@@ -116,13 +117,16 @@ class Estimate:
     load: int = 0
     """Bytes on the card while the model loads, before the engine holds its states: a 4-bit base whole on every
     card (``four_bit_load_bytes``); 0 where loading never holds more than the states."""
+    generation: int = 0
+    """GRPO: what generating one group adds to the states (``plan.generation.generation_bytes``); 0 without it."""
 
     @property
     def allocated(self) -> int:
-        """Predicted torch.cuda.max_memory_allocated: states + the larger of backward and step working sets, or
-        the load if that is more."""
+        """Predicted torch.cuda.max_memory_allocated: states + the largest of the backward, step and generation
+        working sets, or the load if that is more."""
         states = self.params + self.grads + self.optimizer
-        return max(states + max(self.activations + self.logits + self.buffers, self.step), self.load)
+        working = max(self.activations + self.logits + self.buffers, self.step, self.generation)
+        return max(states + working, self.load)
 
     @property
     def gpu_total(self) -> int:
@@ -241,6 +245,7 @@ def _states(stats: ModelStats, setup: Setup, share: Share) -> tuple[int, int, in
         buffers = 0
     if setup.four_bit:  # the 4-bit layer being computed, dequantised to the compute dtype for its matmul
         buffers += p * max(stats.four_bit_numels(), default=0)
+    params += reference_copy_bytes(stats, setup)  # GRPO's frozen reference (beta > 0, full fine-tuning)
     return params, grads, optimizer, step, buffers, rs
 
 
@@ -292,6 +297,7 @@ def estimate(stats: ModelStats, setup: Setup) -> Estimate:
                 sum(share.trainable),
                 share.where,
                 four_bit_load_bytes(stats, setup) if setup.four_bit else 0,
+                generation_bytes(stats, setup) if share.head else 0,
             )
         )
     return max(out, key=lambda e: e.gpu_total)

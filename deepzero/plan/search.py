@@ -8,7 +8,7 @@ from typing import Any
 
 from deepzero.plan.arch import ModelStats
 from deepzero.plan.memory import Estimate, estimate
-from deepzero.plan.setup import SaverTerms, Setup, load_preset, setup_from_ds_config
+from deepzero.plan.setup import GrpoTerms, SaverTerms, Setup, load_preset, setup_from_ds_config
 
 PRESET_ORDER = ("zero2_bf16", "zero2", "zero3", "zero2_offload", "zero3_offload")
 """ds_configs presets, fastest first: the recommendation is the first one that fits."""
@@ -135,14 +135,15 @@ class LongestSeq:
 
 
 def longest_seq_len(
-    stats: ModelStats, setup: Setup, gpu_mem: float, cpu_mem: float | None, step: int = SEQ_STEP
+    stats: ModelStats, setup: Setup, gpu_mem: float, cpu_mem: float | None, step: int = SEQ_STEP, offset: int = 0
 ) -> int:
-    """Longest multiple of ``step`` (up to ``MAX_SEQ_SEARCH``) at which ``setup`` fits; 0 if ``step`` does not
-    (memory grows with the sequence: bisect)."""
+    """Longest multiple of ``step`` (up to ``MAX_SEQ_SEARCH``) at which ``setup`` fits with ``seq_len`` = ``offset``
+    + that many tokens (GRPO: the prompt, before the completion searched); 0 if ``step`` does not (memory grows with
+    the sequence: bisect)."""
     lo, hi = 0, MAX_SEQ_SEARCH // step
     while lo < hi:
         mid = (lo + hi + 1) // 2
-        if estimate(stats, replace(setup, seq_len=mid * step)).fits(gpu_mem, cpu_mem):
+        if estimate(stats, replace(setup, seq_len=offset + mid * step)).fits(gpu_mem, cpu_mem):
             lo = mid
         else:
             hi = mid - 1
@@ -183,3 +184,43 @@ def longest_sequence(
     """The setup that trains the longest sequence (the first, fastest, of equals); None if none trains ``SEQ_STEP``."""
     best = max(longest_sequences(stats, world_size, gpu_mem, cpu_mem, **kw), key=lambda r: r.seq_len)
     return best if best.seq_len else None
+
+
+# ------------------------------------------------------------------------------- GRPO's longest completion
+
+
+COMPLETION_STEP = 256
+"""Granularity of the longest-completion search (tokens)."""
+
+
+def longest_completion(
+    stats: ModelStats, setup: Setup, gpu_mem: float, cpu_mem: float | None, step: int = COMPLETION_STEP
+) -> int:
+    """Longest completion, a multiple of ``step``, at which GRPO's ``setup`` (its ``grpo`` terms set) generates and
+    trains within the cards; 0 if ``step`` tokens do not fit."""
+    assert setup.grpo is not None
+    return longest_seq_len(stats, setup, gpu_mem, cpu_mem, step, offset=setup.grpo.prompt_len)
+
+
+def longest_completions(
+    stats: ModelStats,
+    world_size: int,
+    gpu_mem: float,
+    cpu_mem: float | None,
+    grpo: GrpoTerms,
+    lora_rank: int = 0,
+) -> list[LongestSeq]:
+    """GRPO's longest completion per preset × activation checkpointing at micro-batch 1 (``seq_len`` of each result
+    is the completion; its setup and estimate are at prompt + that completion, or + one step where none fits)."""
+    out = []
+    savers = SaverTerms.choose(stats.arch)
+    for name in PRESET_ORDER:
+        ds = load_preset(name)
+        for ckpt in (False, True):
+            first = grpo.prompt_len + COMPLETION_STEP
+            base = _micro1_setup(ds, stats, world_size, first, ckpt, lora_rank, True, savers)
+            setup = replace(base, grpo=grpo)
+            n = longest_completion(stats, setup, gpu_mem, cpu_mem)
+            setup = replace(setup, seq_len=grpo.prompt_len + max(n, COMPLETION_STEP))
+            out.append(LongestSeq(n, name, setup, estimate(stats, setup)))
+    return out

@@ -108,6 +108,19 @@ class SaverTerms:
 
 
 @dataclass(frozen=True)
+class GrpoTerms:
+    """GRPO (``--grpo``): each rank generates one prompt's ``generations`` completions together, then trains on
+    rows of prompt + completion (``Setup.seq_len``; ``micro_batch`` counts completions, as TRL's batch does)."""
+
+    generations: int = 8
+    """G, ``--num-generations``: completions of one prompt, generated as one batch."""
+    prompt_len: int = 512
+    """Longest prompt; the completion is ``seq_len - prompt_len``."""
+    reference_copy: bool = False
+    """β > 0 without LoRA: a frozen copy of the starting weights on every rank."""
+
+
+@dataclass(frozen=True)
 class Setup:
     """One training configuration to size: engine layout, ZeRO stage, offload, precision, batch shape, LoRA, and
     how the weights load. Built once from the run's decisions (``run_setup``) or by the planner's table."""
@@ -135,6 +148,8 @@ class Setup:
     sequence_parallel: int = 1
     """Ranks each sequence is split over (``deepzero.sequence_parallel``): a rank holds ``seq_len / N`` tokens of
     every row, the group's keys and values of the layer it computes, and one query chunk's mask."""
+    grpo: GrpoTerms | None = None
+    """GRPO's generation and reference (``plan.generation``); None: no generation."""
     four_bit: bool = False
     """The frozen base in 4 bits under the LoRA adapters (``--load-in-4bit``, ``deepzero.quant``): every weight
     ``ModelStats.four_bit_mask`` marks as NF4 codes plus its quantisation constants, the rest in the training dtype;
@@ -155,6 +170,12 @@ class Setup:
             raise UserError("precision", f"unknown precision {self.precision!r}", "use bf16, fp16 or fp32")
         if isinstance(self.layout, PipelineLayout) and (self.stage > 1 or self.world_size % self.layout.stages):
             raise UserError("pipeline", "needs ZeRO stage 0 or 1 and stages dividing the world", "see PipelineSettings")
+        if self.grpo is not None and not 0 < self.grpo.prompt_len < self.seq_len:
+            raise UserError(
+                "--grpo",
+                f"prompts of {self.grpo.prompt_len} tokens leave no completion in {self.seq_len}",
+                "raise --seq-len above --prompt-len",
+            )
         if self.four_bit and (not self.lora_rank or self.layout is not None or self.offload_params):
             raise UserError(
                 "--load-in-4bit",

@@ -7,19 +7,22 @@ from dataclasses import replace
 from typing import Any
 
 from deepzero.plan.arch import Arch, ModelStats, model_stats
+from deepzero.plan.generation import kv_cache_bytes
 from deepzero.plan.memory import CUDA_RESERVE, FRAGMENTATION, Estimate, GiB, estimate, gib
 from deepzero.plan.search import (
+    COMPLETION_STEP,
     MAX_MICRO_BATCH,
     MAX_SEQ_SEARCH,
     SEQ_STEP,
     LongestSeq,
     Recommendation,
+    longest_completions,
     longest_sequence,
     longest_sequences,
     max_micro_batch,
     recommend,
 )
-from deepzero.plan.setup import SaverTerms, Setup, load_preset, setup_from_ds_config
+from deepzero.plan.setup import GrpoTerms, SaverTerms, Setup, load_preset, setup_from_ds_config
 from deepzero.presets import PRESETS
 
 LORA_RANK = 16
@@ -261,3 +264,39 @@ def fit_table(world_size: int, gpu_mem_gb: float, cpu_mem_gb: float, seq_len: in
         cells = [_fit_cell(full, True), _fit_cell(lora, False), _fit_cell(qlora, True), *longest]
         rows.append(f"| {name} | {' | '.join(cells)} |")
     return "\n".join(rows)
+
+
+def render_grpo(
+    stats: ModelStats, world_size: int, gpu_mem_gb: float, cpu_mem_gb: float, grpo: GrpoTerms, lora_rank: int
+) -> str:
+    """``--grpo``: the longest completion GRPO generates and trains per preset, full and LoRA, and at that length
+    the group's KV cache and the card's peak."""
+    gpu_mem, cpu_mem = gpu_mem_gb * GiB, cpu_mem_gb * GiB
+    full = longest_completions(stats, world_size, gpu_mem, cpu_mem, grpo)
+    lora = longest_completions(stats, world_size, gpu_mem, cpu_mem, grpo, lora_rank)
+    lines = [
+        f"{stats.name}: GRPO's longest completion on {world_size} × {gpu_mem_gb:g} GiB, host {cpu_mem_gb:g} GiB: "
+        f"{grpo.generations} completions per prompt generated together, prompts of {grpo.prompt_len} tokens, "
+        f"micro-batch 1 (multiples of {COMPLETION_STEP} tokens; model context {stats.arch.max_positions:,})",
+        "",
+    ]
+
+    def cell(r: LongestSeq) -> str:
+        if not r.seq_len:
+            return "-"
+        at = replace(r.setup, seq_len=grpo.prompt_len + r.seq_len)
+        e = estimate(stats, at)
+        return f"{r.seq_len:,} (KV {gib(kv_cache_bytes(stats, at))}, GPU {gib(e.gpu_total)})"
+
+    rows = [
+        [f.preset, "on" if f.setup.checkpointing else "off", cell(f), cell(q)] for f, q in zip(full, lora, strict=True)
+    ]
+    headers = ["preset", "ckpt", "full (KV cache, GPU GiB)", f"LoRA r{lora_rank} (KV cache, GPU GiB)"]
+    lines += [format_table(headers, rows, [False, False, True, True]), ""]
+    lines.append(
+        "Each rank holds its states, and while it generates: the group's KV cache (G × (prompt + completion) tokens,"
+        " every layer), the prefill's largest layer, and under ZeRO-3 the whole model gathered for generation (as"
+        " TRL's ds3_gather_for_generation). A frozen reference copy (beta > 0 without LoRA) would add the weights"
+        " once more; this table plans beta 0, TRL's default."
+    )
+    return "\n".join(lines)

@@ -1,0 +1,47 @@
+"""GRPO's generation on the card (``--grpo``): while a rank samples one prompt's ``G`` completions with
+Transformers' ``generate``, it holds the model states, the group's KV cache, one layer's working set and, under
+ZeRO-3, the whole gathered model (``deepzero.generation``, as TRL's ``ds3_gather_for_generation``)."""
+
+from __future__ import annotations
+
+from deepzero.plan.arch import ModelStats
+from deepzero.plan.setup import Setup
+
+
+def kv_cache_width(stats: ModelStats) -> int:
+    """Cached values per token and layer: keys and values of every KV head (GQA/MHA), or for MLA the compressed
+    latent and the rotary key, which is what Transformers' DeepSeek-V2/V3 ``DynamicCache`` stores (measured:
+    tests/test_plan.py reads a real cache)."""
+    a = stats.arch
+    if a.kv_lora_rank:
+        return a.kv_lora_rank + a.qk_rope_dim
+    return 2 * a.kv_heads * a.head_dim
+
+
+def kv_cache_bytes(stats: ModelStats, setup: Setup) -> int:
+    """The group's KV cache at its longest: ``G`` rows of prompt + completion tokens, every layer, training dtype."""
+    assert setup.grpo is not None
+    rows, tokens = setup.grpo.generations, setup.seq_len
+    return rows * tokens * stats.arch.layers * kv_cache_width(stats) * setup.bytes_per_value
+
+
+def generation_bytes(stats: ModelStats, setup: Setup) -> int:
+    """What generating one group adds to the model states on the card (0 without GRPO): the KV cache; the prefill's
+    largest transient, one layer's MLP over the ``G`` prompts (input, gate, up, activation); the last position's
+    logits in the training dtype plus fp32 log-softmax and sampling probabilities; under ZeRO-3 the whole model,
+    gathered for the generation (the rank's own shards stay counted in the states)."""
+    if setup.grpo is None:
+        return 0
+    a, p, rows = stats.arch, setup.bytes_per_value, setup.grpo.generations
+    width = max(a.intermediate, a.experts_per_token * a.moe_intermediate + a.shared_intermediate)
+    prefill = rows * setup.grpo.prompt_len * (2 * a.hidden + 3 * width) * p
+    logits = rows * a.vocab * (p + 4 + 4)
+    gathered = p * sum(stats.float_numels(setup.four_bit)) if setup.stage == 3 else 0
+    return kv_cache_bytes(stats, setup) + prefill + logits + gathered
+
+
+def reference_copy_bytes(stats: ModelStats, setup: Setup) -> int:
+    """A frozen copy of the starting weights on every rank (β > 0 without LoRA; ZeRO-3 refuses it), else 0."""
+    if setup.grpo is None or not setup.grpo.reference_copy:
+        return 0
+    return setup.bytes_per_value * stats.total
