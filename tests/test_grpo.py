@@ -311,3 +311,24 @@ def test_a_reward_that_raises_stops_every_rank_with_one_line_and_keeps_the_last_
     assert "Traceback" not in proc.stderr
     assert (ckpt / "latest").read_text() == "step00000002"
     assert sorted(p.name for p in ckpt.iterdir() if p.is_dir()) == ["step00000002"]
+
+
+@pytest.mark.launcher
+def test_lora_under_zero3_with_the_adapters_off_reference_starts_on_the_full_runs_curve(
+    rl: dict, rl_runs: dict
+) -> None:
+    """GRPO with LoRA under ZeRO-3 (parameters gathered for generation) and beta 0.04 against the model with its
+    adapters off: LoRA's B starts at zero, so step 1 generates the same completions from the same weights as the full
+    ZeRO-2 run above and logs its reward and loss; the KL starts at 0 and grows once the adapters move."""
+    from tests.conftest import cpu_env, launch, records
+
+    out = rl_runs["root"] / "lora_zero3"
+    extra = ["--deepspeed_config", "ds_configs/zero3.json", "--lora", "r=8", "--beta", "0.04", "--lr", "2e-2"]
+    proc = launch(grpo_args(rl, out, "share", 1, *extra), env=cpu_env())
+    assert "ZeRO-3" in proc.stdout and "beta 0.04, reference = adapters off" in proc.stdout, proc.stdout[-3000:]
+    full = {r["step"]: r for r in records(rl_runs["root"] / "full")}
+    lora = {r["step"]: r for r in records(out)}
+    for key in ("reward", "reward_std", "completions/mean_length", "loss"):
+        assert lora[1][key] == pytest.approx(full[1][key], rel=1e-5, abs=1e-7), key
+    assert lora[1]["kl"] == pytest.approx(0.0, abs=1e-7)
+    assert lora[STEPS]["kl"] > 0 and all(lora[s]["grad_norm"] > 0 for s in lora)
