@@ -5,8 +5,9 @@ stay fp32 after every engine's build (``deepspeed.initialize``) and in its Huggi
 bf16 presets' ``data_types.grad_accum_dtype`` fp32 gives an 8-micro-step gradient closer to fp32 training's than
 bf16 accumulation does.
 
-ZeRO-2, ZeRO-3 and the pipeline are built by the product's ``setup`` in 3-rank launches of this file (its
-``__main__`` half, below); the layer split and the pretrained load run in-process.
+ZeRO-2, ZeRO-3 and the pipeline are built by the product's ``setup`` in one 3-rank launch of this file (its
+``__main__`` half, below), after it measures the accumulation; the layer split and the pretrained load run
+in-process.
 """
 
 from __future__ import annotations
@@ -66,16 +67,23 @@ def check_export(folder: Path, reference: list[float]) -> None:
     check_fp32_buffers(buffer_record(reloaded), reference)
 
 
-@pytest.mark.launcher
-def test_zero2_zero3_and_pipeline_keep_fp32_buffers_in_bf16(tiny_data: Path, tmp_path: Path) -> None:
+@pytest.fixture(scope="module")
+def launched(tiny_data: Path, tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """One 3-rank launch of this file's ``__main__`` half: the accumulation errors, then the engines' buffers."""
+    out = tmp_path_factory.mktemp("buffers")
     env = cpu_env(PYTHONPATH=str(REPO))
-    launch([str(tiny_data), str(tmp_path)], env=env, timeout=900, script="tests/test_buffers.py")
+    launch([str(tiny_data), str(out)], env=env, timeout=1200, script="tests/test_buffers.py")
+    return out
+
+
+@pytest.mark.launcher
+def test_zero2_zero3_and_pipeline_keep_fp32_buffers_in_bf16(launched: Path) -> None:
     reference = fp32_inv_freq()
     for name in ENGINES:
-        result = json.loads((tmp_path / f"{name}.json").read_text())
+        result = json.loads((launched / f"{name}.json").read_text())
         check_fp32_buffers(result["after_initialize"], reference)
         assert result["export_ok"], name
-        check_export(tmp_path / name / "hf", reference)
+        check_export(launched / name / "hf", reference)
 
 
 def test_layer_split_casts_weights_only(tiny_data: Path, tmp_path: Path) -> None:
@@ -127,13 +135,11 @@ ACCUM_PRESETS = {"ZeRO-2": "ds_configs/zero2_bf16.json", "ZeRO-3": "ds_configs/z
 
 
 @pytest.mark.launcher
-def test_fp32_accumulation_is_closer_to_the_fp32_gradient(tiny_data: Path, tmp_path: Path) -> None:
+def test_fp32_accumulation_is_closer_to_the_fp32_gradient(launched: Path) -> None:
     """The gradient after 8 accumulation micro-steps of one step, from the same weights and batches: bf16
     accumulation vs fp32 accumulation (the presets' setting) vs fp32 training, relative error ||g - g_fp32|| /
     ||g_fp32|| over all parameters (docs/precision.md has the numbers)."""
-    env = cpu_env(PYTHONPATH=str(REPO))
-    launch(["accum", str(tiny_data), str(tmp_path)], env=env, timeout=900, script="tests/test_buffers.py")
-    errors = json.loads((tmp_path / "accum.json").read_text())
+    errors = json.loads((launched / "accum.json").read_text())
     print(json.dumps(errors, indent=1))
     for stage, err in errors.items():
         bf16_accum, fp32_accum = err["bf16, bf16 accumulation"], err["bf16, fp32 accumulation"]
@@ -221,6 +227,7 @@ def rank_main(data: str, out: str) -> None:
 if __name__ == "__main__":
     from deepzero.distributed import exit_process
 
-    argv = [a for a in sys.argv[1:] if not a.startswith("--local_rank")]
-    accumulation_errors(*argv[1:]) if argv[0] == "accum" else rank_main(*argv)
+    data, out = (a for a in sys.argv[1:] if not a.startswith("--local_rank"))
+    accumulation_errors(data, out)  # first: rank_main's pipeline, built last, sets DeepSpeed's global mpu
+    rank_main(data, out)
     exit_process(0)
