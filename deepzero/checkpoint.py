@@ -258,7 +258,7 @@ def _write(engine: Any, ckpt_dir: Path, partial: Path, state: TrainState, rank: 
     if failure is not None:
         _barrier()
         return failure
-    return _attempt(lambda: torch.save(_rng_state(), partial / f"rng_rank{rank:03d}.pt"), ckpt_dir)
+    return _attempt(lambda: torch.save(_rank_state(engine), partial / f"rng_rank{rank:03d}.pt"), ckpt_dir)
 
 
 def _attempt(write: Any, folder: Path) -> tuple[int, str] | None:
@@ -424,9 +424,12 @@ def load(engine: Any, ckpt_dir: Path, load_optimizer_states: bool = True) -> Tra
     _restore_buffers(engine, ckpt_dir / tag)
     rank = dist.get_rank() if dist.is_initialized() else 0
     rng_file = ckpt_dir / tag / f"rng_rank{rank:03d}.pt"
-    if rng_file.is_file():
-        _set_rng_state(torch.load(rng_file, weights_only=True))
     objective = getattr(engine, "objective", None)
+    if rng_file.is_file():
+        saved = torch.load(rng_file, weights_only=True)
+        _set_rng_state(saved)
+        if hasattr(objective, "load_rank_state"):  # GRPO: this rank's generation batch, if steps were left on it
+            objective.load_rank_state(saved.get("objective", {}))
     if hasattr(objective, "load_state_dict"):  # GRPO: the sampling RNG continues where it stopped
         objective.load_state_dict((client_state or {}).get("objective", {}))
     return TrainState.from_client_state(client_state)
@@ -471,6 +474,14 @@ def _rng_state() -> dict[str, torch.Tensor]:
     if torch.cuda.is_available():
         state["cuda"] = torch.cuda.get_rng_state()
     return state
+
+
+def _rank_state(engine: Any) -> dict[str, Any]:
+    """This rank's own file of a checkpoint: its RNG states, and the objective's per-rank state (GRPO: a generation
+    batch with steps left on it)."""
+    objective = getattr(engine, "objective", None)
+    extra = objective.rank_state() if hasattr(objective, "rank_state") else {}
+    return _rng_state() | ({"objective": extra} if extra else {})
 
 
 def _set_rng_state(state: dict[str, torch.Tensor]) -> None:

@@ -217,8 +217,11 @@ class GRPO:
 
     def sampling(self, micro: int, accum: int, start_step: int) -> tuple[int, int, int]:
         """The prompt sampler's shape: one batch of ``micro × accum / G`` prompts per rank per generation, a
-        generation every ``num_iterations`` steps."""
-        return micro * accum // self.settings.num_generations, 1, start_step // self.settings.num_iterations
+        generation every ``num_iterations`` steps; resumed between two generations (a restored generation batch),
+        the sampler starts at the next one."""
+        mu = self.settings.num_iterations
+        start = -(-start_step // mu) if self._buffer is not None else start_step // mu
+        return micro * accum // self.settings.num_generations, 1, start
 
     def state_dict(self) -> dict[str, Any]:
         return {"sampling": self.seeds.state_dict()}
@@ -226,6 +229,17 @@ class GRPO:
     def load_state_dict(self, state: dict[str, Any]) -> None:
         if "sampling" in state:
             self.seeds.load_state_dict(state["sampling"])
+
+    def rank_state(self) -> dict[str, Any]:
+        """This rank's generation batch while ``num_iterations`` > 1 has steps left on it (its completions, old and
+        reference log-probs), for its own checkpoint file: a resume then trains on it as the uninterrupted run."""
+        if self._buffer is None or self._uses >= self.settings.num_iterations:
+            return {}
+        return {"generation_batch": self._buffer, "uses": self._uses}
+
+    def load_rank_state(self, state: dict[str, Any]) -> None:
+        if state.get("generation_batch") is not None:
+            self._buffer, self._uses = state["generation_batch"], int(state["uses"])
 
     # -- the step -----------------------------------------------------------------------------------------------
     def rollout(self, engine: Any, batches: Any, accum: int) -> list[Batch]:
