@@ -200,12 +200,16 @@ def _packed_numels(stats: ModelStats, setup: Setup) -> tuple[int, ...]:
     return tuple(-(-quant.packed_bytes(n) // p) for n in stats.four_bit_numels())
 
 
+def _quant_state_bytes(stats: ModelStats) -> int:
+    """Every 4-bit weight's ``QuantState`` (absmax constants and tables): not parameters, whole on every rank."""
+    return sum(map(quant.quant_state_bytes, stats.four_bit_numels()))
+
+
 def four_bit_load_bytes(stats: ModelStats, setup: Setup) -> int:
     """Bytes on each card once a 4-bit base has loaded and its adapters are added, before ``deepspeed.initialize``:
     the whole base on every rank (no ``zero.Init`` for a quantised load), its NF4 codes and their constants, its
     other weights in the training dtype (``quant.prepare`` keeps them so), the adapters in fp32 (peft's default)."""
-    quantised = stats.four_bit_numels()
-    codes = sum(quant.packed_bytes(n) + quant.quant_state_bytes(n) for n in quantised)
+    codes = sum(map(quant.packed_bytes, stats.four_bit_numels())) + _quant_state_bytes(stats)
     floats = setup.bytes_per_value * sum(stats.float_numels(True))
     return codes + floats + 4 * sum(stats.lora_numels(setup.lora_rank))
 
@@ -230,7 +234,7 @@ def _states(stats: ModelStats, setup: Setup, share: Share) -> tuple[int, int, in
     off_opt, off_par = setup.offload_optimizer, setup.offload_params
     params = p * (rs.persistent if off_par else rs.params)
     if setup.four_bit:  # each 4-bit weight's QuantState is not a parameter: whole on every rank
-        params += sum(quant.quant_state_bytes(n) for n in stats.four_bit_numels())
+        params += _quant_state_bytes(stats)
     grads = 0 if off_opt and setup.stage >= 2 else p * rs.grads
     optimizer = 0 if off_opt else ADAM_K * rs.optimizer
     step = 0 if off_opt else 4 * rs.step_chunk
@@ -251,7 +255,8 @@ def _states(stats: ModelStats, setup: Setup, share: Share) -> tuple[int, int, in
 
 def host_bytes(stats: ModelStats, setup: Setup, rs: RankStates) -> tuple[int, int, int]:
     """(host RAM of the machine, offloaded states, transient load bytes): pretrained weights load in the training
-    dtype, a random-init model is built in fp32; every process builds the whole model in host RAM except under ZeRO-3 and for a 4-bit base (straight to the card)."""
+    dtype, a random-init model is built in fp32; every process builds the whole model in host RAM except under
+    ZeRO-3 and for a 4-bit base (each tensor straight to the card)."""
     p, n = setup.bytes_per_value, setup.world_size
     procs = 1 if isinstance(setup.layout, LayerSplitLayout) else n
     host_states = 0

@@ -8,7 +8,7 @@ from typing import Any
 
 from deepzero.plan.arch import ModelStats
 from deepzero.plan.memory import Estimate, estimate
-from deepzero.plan.setup import GrpoTerms, SaverTerms, Setup, load_preset, setup_from_ds_config
+from deepzero.plan.setup import GrpoTerms, SaverTerms, Setup, load_preset, offloads, setup_from_ds_config
 
 PRESET_ORDER = ("zero2_bf16", "zero2", "zero3", "zero2_offload", "zero3_offload")
 """ds_configs presets, fastest first: the recommendation is the first one that fits."""
@@ -60,12 +60,6 @@ def _micro1_setup(
     )
 
 
-def _four_bit_allowed(ds: dict[str, Any]) -> bool:
-    """Whether a preset can hold a 4-bit base: anything but ZeRO-3 parameter offload (``quant.choose``)."""
-    offload = ds.get("zero_optimization", {}).get("offload_param") or {}
-    return offload.get("device", "none") in ("none", None)
-
-
 @dataclass(frozen=True)
 class Recommendation:
     preset: str
@@ -93,7 +87,7 @@ def recommend(
     savers = SaverTerms.choose(stats.arch) if savers is None else savers
     for name in presets:
         ds = load_preset(name)
-        if four_bit and not _four_bit_allowed(ds):
+        if four_bit and offloads(ds.get("zero_optimization", {}), "offload_param"):  # refused, as quant.choose does
             continue
         for ckpt in (False, True):
             setup = _micro1_setup(ds, stats, world_size, seq_len, ckpt, lora_rank, pretrained, savers, four_bit)

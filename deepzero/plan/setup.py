@@ -211,6 +211,12 @@ def _int(value: Any, auto: int) -> int:
     return value if isinstance(value, int) else int(float(value))
 
 
+def offloads(zero: dict[str, Any], key: str) -> bool:
+    """Whether ``zero_optimization[key]`` (``offload_optimizer`` or ``offload_param``) moves states off the card
+    (absent, null or device "none": no)."""
+    return (zero.get(key) or {}).get("device", "none") not in ("none", None)
+
+
 def setup_from_ds_config(
     ds: dict[str, Any],
     *,
@@ -245,8 +251,8 @@ def setup_from_ds_config(
         world_size=world_size,
         micro_batch=micro_batch,
         seq_len=seq_len,
-        offload_optimizer=zero.get("offload_optimizer", {}).get("device", "none") not in ("none", None),
-        offload_params=zero.get("offload_param", {}).get("device", "none") not in ("none", None),
+        offload_optimizer=offloads(zero, "offload_optimizer"),
+        offload_params=offloads(zero, "offload_param"),
         precision=precision,
         checkpointing=checkpointing,
         lora_rank=lora_rank,

@@ -282,11 +282,9 @@ def render_grpo(
     ]
 
     def cell(r: LongestSeq) -> str:
-        if not r.seq_len:
+        if not r.seq_len:  # r.setup and r.estimate are at prompt + r.seq_len: the search's own
             return "-"
-        at = replace(r.setup, seq_len=grpo.prompt_len + r.seq_len)
-        e = estimate(stats, at)
-        return f"{r.seq_len:,} (KV {gib(kv_cache_bytes(stats, at))}, GPU {gib(e.gpu_total)})"
+        return f"{r.seq_len:,} (KV {gib(kv_cache_bytes(stats, r.setup))}, GPU {gib(r.estimate.gpu_total)})"
 
     rows = [
         [f.preset, "on" if f.setup.checkpointing else "off", cell(f), cell(q)] for f, q in zip(full, lora, strict=True)
