@@ -126,11 +126,20 @@ def launch(
     timeout: int = 900,
     check: bool = True,
     script: str = "train.py",
+    real_launcher: bool = False,
 ) -> subprocess.CompletedProcess[str]:
-    """`deepspeed --num_gpus=N SCRIPT ARGS` with the real launcher, on the CPU (gloo); SCRIPT defaults to train.py
-    (the helpers under tests/helpers/ need ``PYTHONPATH`` set to the repo in ``env``)."""
-    deepspeed = Path(sys.executable).parent / "deepspeed"
-    cmd = [str(deepspeed), f"--num_gpus={nproc}", f"--master_port={free_port()}", script, *args]
+    """N ranks of SCRIPT ARGS on the CPU (gloo); SCRIPT defaults to train.py (the helpers under tests/helpers/ need
+    ``PYTHONPATH`` set to the repo in ``env``).
+
+    ``real_launcher`` runs `deepspeed --num_gpus=N`; otherwise tests/helpers/spawn_ranks.py starts the ranks with
+    the same environment and arguments, without the launcher's two torch + DeepSpeed imports (a third of a tiny
+    launch's time). Tests whose subject is the launcher (its log, its signals, several nodes) use the real one.
+    """
+    if real_launcher:
+        cmd = [str(Path(sys.executable).parent / "deepspeed"), f"--num_gpus={nproc}", f"--master_port={free_port()}"]
+    else:
+        cmd = [sys.executable, str(REPO / "tests" / "helpers" / "spawn_ranks.py"), str(nproc), str(free_port())]
+    cmd += [script, *args]
     proc = run_bounded(cmd, timeout, env)
     if check and proc.returncode != 0:
         raise AssertionError(f"launcher exit {proc.returncode}\n{proc.stdout[-4000:]}\n{proc.stderr[-4000:]}")

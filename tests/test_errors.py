@@ -2,9 +2,10 @@
 no stack trace, and the run's existing checkpoints left exactly as they were (issue 5, item 7).
 
 The expected lines are read from docs/errors.md itself, so the table and the program cannot drift apart.
-Rows that fail before the process group starts run as one `python train.py` each (world 1, or WORLD_SIZE=3
-for the batch math, which is checked before any rank joins), in parallel; the corrupt checkpoint goes through
-the real `deepspeed` launcher on 2 ranks.
+Rows that fail before the process group starts run as `python train.py` (world 1, or WORLD_SIZE=3 for the batch
+math, which is checked before any rank joins), two at a time, forked from one process that imported train.py's
+modules once (tests/helpers/fork_cases.py; a faked CPU's row runs as its own process); the corrupt checkpoint goes
+through the real `deepspeed` launcher on 2 ranks.
 """
 
 from __future__ import annotations
@@ -26,7 +27,7 @@ from conftest import CPU, REPO, STDLIB, cpu_env, fake_cpu_vars, free_port, launc
 DOC = REPO / "docs" / "errors.md"
 WILDCARDS = ("reason", "presets")
 """Placeholders that stand for text from a library (an OS or torch message, the list of presets)."""
-PARALLEL = 4
+PARALLEL = 2
 
 
 @dataclass
@@ -296,20 +297,57 @@ def cases(tiny_data: Path, root: Path) -> dict[str, Case]:
     return made
 
 
+IMPORT_TIME_ENV = ("PYTHONPATH", "DEEPZERO_FAKE_CPU_KERNELS")
+"""Variables read when Python starts or imports (a faked CPU's sitecustomize): a case setting one runs on its own."""
+
+
+def case_env(case: Case) -> dict[str, str]:
+    return {"MASTER_PORT": str(free_port()), **case.env}
+
+
 def run_case(case: Case) -> Outcome:
+    """The case as its own ``python train.py`` process."""
     before = snapshot(case.keep)
-    env = cpu_env(MASTER_PORT=str(free_port()), HF_HUB_OFFLINE="1", **case.env)
+    env = cpu_env(HF_HUB_OFFLINE="1", **case_env(case))
     env.pop("RANK", None)
     proc = run_bounded(case.argv, 300, env)
     return Outcome(case, proc.returncode, proc.stderr, before)
 
 
+def run_forked(made: dict[str, Case], root: Path) -> dict[str, Outcome]:
+    """The cases as forks of one process that imported train.py's modules once (tests/helpers/fork_cases.py):
+    each child is ``python train.py ARGS`` with the case's environment, without ~7 CPU-seconds of imports each."""
+    befores = {name: snapshot(case.keep) for name, case in made.items()}
+    spec = [
+        {
+            "args": case.argv[2:],
+            "env": case_env(case),
+            "stdout": str(root / f"{i}.out"),
+            "stderr": str(root / f"{i}.err"),
+        }
+        for i, case in enumerate(made.values())
+    ]
+    (root / "cases.json").write_text(json.dumps(spec))
+    env = cpu_env(HF_HUB_OFFLINE="1", PYTHONPATH=str(REPO))
+    env.pop("RANK", None)
+    cmd = [sys.executable, "tests/helpers/fork_cases.py", str(root / "cases.json"), str(PARALLEL)]
+    proc = run_bounded(cmd, 600, env)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    codes = json.loads((root / "cases.json.out").read_text())["returncodes"]
+    return {
+        name: Outcome(case, code, Path(entry["stderr"]).read_text(), befores[name])
+        for (name, case), code, entry in zip(made.items(), codes, spec, strict=True)
+    }
+
+
 @pytest.fixture(scope="module")
 def outcomes(tiny_data: Path, tmp_path_factory: pytest.TempPathFactory) -> dict[str, Outcome]:
-    """Run every single-process row, a few at a time (most stop within seconds, before any weights load)."""
+    """Every single-process row: train.py's as forks of one process, but for a faked CPU's; data/prepare.py's."""
     made = cases(tiny_data, tmp_path_factory.mktemp("errors"))
+    own = {k: v for k, v in made.items() if v.argv[1] != "train.py" or set(v.env) & set(IMPORT_TIME_ENV)}
+    forked = run_forked({k: v for k, v in made.items() if k not in own}, tmp_path_factory.mktemp("forked"))
     with ThreadPoolExecutor(PARALLEL) as pool:
-        return dict(zip(made, pool.map(run_case, made.values()), strict=True))
+        return forked | dict(zip(own, pool.map(run_case, own.values()), strict=True))
 
 
 def check(outcome: Outcome, message: str) -> None:
@@ -373,7 +411,7 @@ def test_corrupt_checkpoint_through_the_launcher(tiny_data: Path, tmp_path: Path
     (ckpt / "latest").write_text("step00000002")
     before = snapshot(out)
     args = ["--deepspeed_config", "ds_configs/zero2.json", *small_args(tiny_data, out, "--resume")]
-    proc = launch(args, nproc=2, env=cpu_env(HF_HUB_OFFLINE="1"), check=False)
+    proc = launch(args, nproc=2, env=cpu_env(HF_HUB_OFFLINE="1"), check=False, real_launcher=True)
     outcome = Outcome(Case(args, {"checkpoints": str(ckpt)}, out), proc.returncode, proc.stderr, before)
     check(outcome, doc_rows()["Corrupt checkpoint (truncated file)"])
 

@@ -3,7 +3,7 @@ prepare.py flag, data folders, tokenizer folders and checkpoint folders, each gi
 passes the checks or raises exactly one UserError, one line, naming the key/flag/file and a fix; never another
 exception. The cases run in-process against the planning step (``run.plan_run``, what train.py does before any
 rank starts), so over two thousand cases take seconds; tests/test_errors.py and tests/test_reliability.py run
-samples through the real launcher.
+samples through launched ranks.
 
 ``KNOWN`` lists the cases that still fail because the fix belongs to a file other helpers own (data/, run.py); the
 test asserts the failures are exactly those, so a fix there makes it fail until the entry is removed.

@@ -172,7 +172,7 @@ def test_peft_wraps_exactly_the_resolved_layers_and_merge_matches_the_adapters(t
         assert (reloaded(input_ids=ids).logits - expected).abs().max().item() < 1e-5
 
 
-# ---------------------------------------------------------------- 3 ranks of train.py under the real launcher
+# ---------------------------------------------------------------------------------------- 3 ranks of train.py
 
 RUNS = {
     # ZeRO-2 preset as shipped, in fp16 on every CPU (native or faked: fp16_env); every Linear spelled out
@@ -203,7 +203,7 @@ def precision(name: str) -> str:
 
 @pytest.fixture(scope="module", params=sorted(RUNS))
 def lora_run(request: pytest.FixtureRequest, tiny_data: Path, tmp_path_factory: pytest.TempPathFactory) -> tuple:
-    """`deepspeed --num_gpus=3 train.py --lora ...` for STEPS steps: evaluated, logged and checkpointed every step."""
+    """3 ranks of `train.py --lora ...` for STEPS steps: evaluated, logged and checkpointed every step."""
     out = tmp_path_factory.mktemp(f"lora_{request.param}") / "run"
     env = fp16_env() if precision(request.param) == "fp16" else None
     proc = launch([*RUNS[request.param], "--data", str(tiny_data), "--out", str(out), *TRAIN], env=env, timeout=600)

@@ -107,7 +107,7 @@ def test_two_nodes_of_two_ranks_match_one_node_of_four(tiny_data: Path, tmp_path
     assert "world 4" not in node1  # the header and metrics come from global rank 0 only
 
     single = tmp_path / "single"
-    proc = launch(run_args(tiny_data, single), nproc=NODES * SLOTS, timeout=TIMEOUT)
+    proc = launch(run_args(tiny_data, single), nproc=NODES * SLOTS, timeout=TIMEOUT, real_launcher=True)
     assert "world 4 on cpu (gloo)" in proc.stdout
 
     a, b = losses(multi), losses(single)

@@ -162,7 +162,7 @@ def test_tied_embeddings_are_refused() -> None:
         to_pipeline_layers(model)
 
 
-# ---- train.py with the real launcher (CPU accelerator, gloo) -------------------------------------------------------
+# ---- train.py on launched ranks (CPU accelerator, gloo) -------------------------------------------------------------
 
 
 def train_args(data: Path, out: Path, preset: str, *extra: str) -> list[str]:

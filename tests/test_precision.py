@@ -1,6 +1,6 @@
 """The precision decision (issue 11): the preset's 16-bit type against what the device computes natively.
 
-Both answers run on every machine: in-process with made-up kernels, and through the real launcher with the
+Both answers run on every machine: in-process with made-up kernels, and through launched ranks with the
 CPU faked by tests/fake_cpu/sitecustomize.py. Either way round: a CPU without native 16-bit kernels trains in
 fp32, which runs everywhere, and a faked fp16 is faked for DeepSpeed too, so it trains in fp16 (torch computes
 fp16 on any CPU, slowly; test_reliability's overflow test runs that way).

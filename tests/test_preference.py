@@ -1,6 +1,6 @@
 """Preference tuning (DPO and its variants): the data format, the losses, and TRL's DPOTrainer as the oracle.
 
-The oracle runs train.py with the real launcher (fp32, ZeRO-2 on 1 rank × accumulation 3, ZeRO-3 on 3 ranks × 1)
+The oracle runs train.py on launched ranks (fp32, ZeRO-2 on 1 rank × accumulation 3, ZeRO-3 on 3 ranks × 1)
 and TRL's ``DPOTrainer`` in this process on the same tiny model, the same pairs in the same batch order, the same
 AdamW, clipping and learning-rate schedule: per step, the loss and TRL's reward metrics agree within 1e-5.
 """

@@ -1,4 +1,5 @@
-"""End to end with the real `deepspeed --num_gpus=3` launcher on the CPU (gloo): train, log, save, resume, export."""
+"""End to end on 3 ranks on the CPU (gloo): train, log, save, resume, export; the seed run through the real
+`deepspeed --num_gpus=3`."""
 
 from __future__ import annotations
 
@@ -28,13 +29,14 @@ def tiny_args(data: Path, out: Path, *extra: str) -> list[str]:
 
 @pytest.fixture(scope="module")
 def zero2_run(tiny_data: Path, tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, str]:
-    """The seed preset (ZeRO-2, fp16, WarmupLR) for STEPS steps on 3 ranks, uninterrupted, in fp16 on every CPU (its
+    """The seed preset (ZeRO-2, fp16, WarmupLR) for STEPS steps on 3 ranks with `deepspeed`, uninterrupted, in fp16 on every CPU (its
     own fp16 kernels or faked ones: ``fp16_env``), so that a CPU without fp16 meets what an AVX512-FP16 one meets;
     the fp32 fallback of the precision decision is tested in test_precision.py."""
     out = tmp_path_factory.mktemp("zero2") / "run"
     proc = launch(
         ["--deepspeed_config", "ds_configs/zero2.json", *tiny_args(tiny_data, out, "--max-steps", str(STEPS))],
         env=fp16_env(),
+        real_launcher=True,  # the headline command as users type it: its log is checked for warnings below
     )
     return out, proc.stdout + proc.stderr
 
