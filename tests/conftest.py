@@ -6,9 +6,12 @@ import contextlib
 import json
 import os
 import signal
+import socket
 import subprocess
 import sys
 import sysconfig
+import tempfile
+import time
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -119,6 +122,80 @@ def tiny_data(tmp_path_factory: pytest.TempPathFactory) -> Path:
     )
 
 
+RUN_TIME_ENV = frozenset({"MASTER_PORT", "WORLD_SIZE", "WANDB_MODE", "WANDB_API_KEY", "DEEPZERO_ROW_TRACE"})
+"""Variables nothing reads before train.py runs: launches that differ only in these share a zygote."""
+
+
+class Zygotes:
+    """One tests/helpers/zygote.py per environment (but for RUN_TIME_ENV), started at its first launch and kept for
+    the session: each launch's ranks are forks of a process that imported torch, Transformers and DeepSpeed once."""
+
+    def __init__(self, root: Path) -> None:
+        self.root = root
+        self.started: dict[tuple, tuple[subprocess.Popen, Path]] = {}
+
+    def socket_for(self, env: dict[str, str]) -> Path:
+        key = tuple(sorted((k, v) for k, v in env.items() if k not in RUN_TIME_ENV))
+        if key not in self.started:
+            path = self.root / f"z{len(self.started)}.sock"
+            log = (self.root / f"z{len(self.started)}.log").open("w")
+            cmd = [sys.executable, str(REPO / "tests" / "helpers" / "zygote.py"), str(path)]
+            popen = dict(cwd=REPO, env=env, stdout=subprocess.PIPE, stderr=log, text=True, start_new_session=True)
+            proc = subprocess.Popen(cmd, **popen)
+            if proc.stdout.readline().strip() != "ready":
+                raise AssertionError(f"zygote did not start: {Path(log.name).read_text()[-3000:]}")
+            self.started[key] = (proc, path)
+        return self.started[key][1]
+
+    def close(self) -> None:
+        for proc, _ in self.started.values():
+            proc.kill()
+            proc.wait()
+
+
+_zygotes: Zygotes | None = None
+
+
+@pytest.fixture(autouse=True, scope="session")
+def zygotes(tmp_path_factory: pytest.TempPathFactory) -> Iterator[None]:
+    global _zygotes
+    _zygotes = Zygotes(tmp_path_factory.mktemp("zygotes"))
+    yield
+    _zygotes.close()
+    _zygotes = None
+
+
+def run_forked(
+    sock: Path, nproc: int, script: str, args: list[str], env: dict[str, str], timeout: float
+) -> subprocess.CompletedProcess[str]:
+    """``run_bounded`` for ranks forked by a zygote: stdout and stderr through files; on timeout the launcher's whole
+    session gets SIGABRT (every Python process prints its stacks), then SIGKILL, and the test fails with them."""
+    files = Path(tempfile.mkdtemp(dir=sock.parent))
+    request = {"nproc": nproc, "port": free_port(), "script": script, "args": args, "env": env}
+    request |= {"stdout": str(files / "stdout"), "stderr": str(files / "stderr")}
+    cmd = ["zygote", str(nproc), script, *args]
+    with socket.socket(socket.AF_UNIX, socket.SOCK_STREAM) as conn:
+        conn.connect(str(sock))
+        conn.sendall((json.dumps(request) + "\n").encode())
+        answers = conn.makefile("r")
+        conn.settimeout(60)
+        pid = json.loads(answers.readline())["pid"]
+        conn.settimeout(timeout)
+        with contextlib.suppress(TimeoutError):
+            answer = answers.readline()
+            if answer:
+                code = json.loads(answer)["returncode"]
+                return subprocess.CompletedProcess(
+                    cmd, code, *(f.read_text() for f in (files / "stdout", files / "stderr"))
+                )
+    for sig in (signal.SIGABRT, signal.SIGKILL):
+        with contextlib.suppress(ProcessLookupError):
+            os.killpg(pid, sig)
+        time.sleep(10)
+    out, err = ((files / name).read_text() for name in ("stdout", "stderr"))
+    raise AssertionError(f"{' '.join(cmd[:4])} ...: no exit after {timeout} s\n{out[-3000:]}\n{err[-6000:]}")
+
+
 def launch(
     args: list[str],
     nproc: int = 3,
@@ -131,16 +208,21 @@ def launch(
     """N ranks of SCRIPT ARGS on the CPU (gloo); SCRIPT defaults to train.py (the helpers under tests/helpers/ need
     ``PYTHONPATH`` set to the repo in ``env``).
 
-    ``real_launcher`` runs `deepspeed --num_gpus=N`; otherwise tests/helpers/spawn_ranks.py starts the ranks with
-    the same environment and arguments, without the launcher's two torch + DeepSpeed imports (a third of a tiny
-    launch's time). Tests whose subject is the launcher (its log, its signals, several nodes) use the real one.
+    ``real_launcher`` runs `deepspeed --num_gpus=N`. Otherwise the ranks are forks of a zygote of the session
+    (:class:`Zygotes`; tests/helpers/spawn_ranks.py outside a pytest session) with the environment and arguments the
+    launcher gives them: no launcher importing torch and DeepSpeed twice, no rank importing them again, about 20 of
+    a tiny launch's 31 s. Tests whose subject is the launcher (its log, its signals, several nodes) use the real one.
     """
-    if real_launcher:
-        cmd = [str(Path(sys.executable).parent / "deepspeed"), f"--num_gpus={nproc}", f"--master_port={free_port()}"]
+    env = env or cpu_env()
+    if not real_launcher and _zygotes is not None:
+        proc = run_forked(_zygotes.socket_for(env), nproc, script, args, env, timeout)
     else:
-        cmd = [sys.executable, str(REPO / "tests" / "helpers" / "spawn_ranks.py"), str(nproc), str(free_port())]
-    cmd += [script, *args]
-    proc = run_bounded(cmd, timeout, env)
+        if real_launcher:
+            cmd = [str(Path(sys.executable).parent / "deepspeed"), f"--num_gpus={nproc}"]
+            cmd += [f"--master_port={free_port()}"]
+        else:
+            cmd = [sys.executable, str(REPO / "tests" / "helpers" / "spawn_ranks.py"), str(nproc), str(free_port())]
+        proc = run_bounded([*cmd, script, *args], timeout, env)
     if check and proc.returncode != 0:
         raise AssertionError(f"launcher exit {proc.returncode}\n{proc.stdout[-4000:]}\n{proc.stderr[-4000:]}")
     return proc

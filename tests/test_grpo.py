@@ -337,3 +337,21 @@ def test_lora_under_zero3_with_the_adapters_off_reference_starts_on_the_full_run
         assert lora[1][key] == pytest.approx(full[1][key], rel=1e-5, abs=1e-7), key
     assert lora[1]["kl"] == pytest.approx(0.0, abs=1e-7)
     assert lora[STEPS]["kl"] > 0 and all(lora[s]["grad_norm"] > 0 for s in lora)
+
+
+@pytest.mark.launcher
+def test_grpo_on_a_4bit_base_under_zero3(rl: dict, rl_runs: dict) -> None:
+    """QLoRA GRPO (--load-in-4bit, ZeRO-3: the 4-bit blocks partitioned and gathered for generation) with beta 0.04
+    against the 4-bit model with its adapters off: the KL is exactly 0 at step 1 (the adapters start at zero), then
+    grows; every step has a gradient and a reward."""
+    from tests.conftest import cpu_env, launch, records
+
+    out = rl_runs["root"] / "qlora_zero3"
+    extra = ["--deepspeed_config", "ds_configs/zero3.json", "--lora", "r=8", "--load-in-4bit", "--beta", "0.04"]
+    proc = launch(grpo_args(rl, out, "share", 1, *extra, "--lr", "2e-2"), env=cpu_env())
+    assert "base in 4 bits (NF4, double quant, compute fp32, storage fp32)" in proc.stdout, proc.stdout[-3000:]
+    assert "beta 0.04, reference = adapters off" in proc.stdout
+    steps = {r["step"]: r for r in records(out)}
+    assert sorted(steps) == list(range(1, STEPS + 1))
+    assert steps[1]["kl"] == 0 and steps[STEPS]["kl"] > 0, steps
+    assert all(steps[s]["grad_norm"] > 0 and 0 <= steps[s]["reward"] <= 1 for s in (1, 3)), steps

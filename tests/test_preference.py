@@ -401,6 +401,22 @@ def test_lora_on_the_moe_model_trains_one_curve_with_either_reference_and_balanc
     assert off[0]["rewards/margins"] == 0 and off[-1]["rewards/margins"] > 0.1 and off[-1]["loss"] < off[0]["loss"]
 
 
+@pytest.mark.launcher
+def test_dpo_on_a_4bit_base_has_the_same_curve_with_either_reference(pref: dict) -> None:
+    """QLoRA DPO (--load-in-4bit, ZeRO-2, uint8 blocks): the reference as the 4-bit model with its adapters off equals
+    the reference log-probs precomputed from the same 4-bit model, step for step, and the pairs are learnt."""
+    common = ["--lora", "r=8,targets=attn", "--load-in-4bit", "--lr", "1e-2", "--micro-batch", "2"]
+    common += ["--grad-accum", "2", "--max-steps", "6"]
+    root = pref["root"]
+    runs = {
+        ref: train(pref, root / f"qlora-{ref}", *common, "--reference", ref) for ref in ("adapters-off", "precomputed")
+    }
+    off, pre = runs["adapters-off"], runs["precomputed"]
+    assert_same(off, pre, "QLoRA: adapters-off vs precomputed reference")
+    assert json.loads((root / "qlora-adapters-off" / "run_config.json").read_text())["four_bit"]["storage"] == "uint8"
+    assert off[0]["rewards/margins"] == 0 and off[-1]["rewards/margins"] > 0.1 and off[-1]["loss"] < off[0]["loss"]
+
+
 @pytest.mark.parametrize(
     ("loss", "smoothing"), [("simpo", 0.0), ("simpo", 0.1), ("sigmoid", 0.1), ("hinge", 0.0)], ids=str
 )

@@ -1,8 +1,8 @@
-"""QLoRA (--load-in-4bit): the refusals in one line (in process), and a 3-rank ZeRO-3 run of train.py (Qwen2, gradient
-checkpointing, 4-bit blocks stored as fp32 and partitioned) on a tiny pretrained folder (ZeRO-2 with uint8 blocks
-takes the same path; its run is measured in docs/qlora.md, left out here to keep the suite short): the header names the 4-bit base, the loss
-falls, and the export is the adapters merged into the 16-bit base read again from the folder (loadable without peft
-or bitsandbytes) plus the adapters alone in peft's format."""
+"""QLoRA (--load-in-4bit): the refusals in one line (in process), and 3-rank runs of train.py on tiny pretrained
+folders: ZeRO-2 (Llama, 4-bit blocks as uint8, whole on every rank) and ZeRO-3 (Qwen2, gradient checkpointing, 4-bit
+blocks stored as fp32 and partitioned). Each: the header names the 4-bit base, the loss falls, and the export is the
+adapters merged into the 16-bit base read again from the folder (loadable without peft or bitsandbytes) plus the
+adapters alone in peft's format. DPO and GRPO on a 4-bit base: tests/test_preference.py, tests/test_grpo.py."""
 
 from __future__ import annotations
 
@@ -93,7 +93,7 @@ def test_a_random_init_preset_is_refused(tiny_data: Path) -> None:
         plan_run(args, 3)
 
 
-@pytest.fixture(scope="module", params=["zero3"])
+@pytest.fixture(scope="module", params=["zero2", "zero3"])
 def qlora_run(request: pytest.FixtureRequest, tiny_data: Path, tmp_path_factory: pytest.TempPathFactory) -> tuple:
     root = tmp_path_factory.mktemp(f"qlora_{request.param}")
     base = pretrained(root / "base", request.param)
