@@ -74,9 +74,9 @@ def markdown(result: dict[str, Any]) -> str:
         for way in WAYS
     )
     return (
-        "# Starting the ranks: the deepspeed launcher vs forked ranks (tests/helpers/spawn_ranks.py)\n\n"
+        "# Starting the ranks: the deepspeed launcher, forked ranks (spawn_ranks.py), a zygote (zygote.py)\n\n"
         f"`python -m bench.launch_cost --reps {result['reps']}`: train.py {' '.join(result['train_args'])}, "
-        f"{result['ranks']} ranks, start to exit. Same losses both ways: {result['same_losses']}. "
+        f"{result['ranks']} ranks, start to exit. Same losses every way: {result['same_losses']}. "
         f"Machine: {result['machine']['cpu_count']} cores, torch {result['machine']['torch']}.\n\n"
         f"| way | median s | per repetition (s) |\n|---|---|---|\n{rows}\n\n"
         f"Forked / launcher: {result['ratio']['forked ranks']:.2f}; zygote / launcher: {result['ratio']['zygote']:.2f}.\n"

@@ -76,19 +76,30 @@ def run(name: str, base: Path, data: Path, out: Path) -> dict[str, Any]:
     }
 
 
+def export_gap(line: str | None) -> str:
+    """The export check's figures from its ``[export]`` line: the median per-token max |Δlogit| against the engine
+    and, for a 4-bit base, the base's own gap (16-bit base vs 4-bit engine, adapters off); else the max |Δlogit|."""
+    fields = dict(re.findall(r"(\w+)=(\S+)", line or ""))
+    if "base_median_token_logit_diff" in fields:
+        return f"{fields['median_token_logit_diff']} (base's 4-bit gap {fields['base_median_token_logit_diff']})"
+    return f"max {fields.get('max_abs_logit_diff', '?')} ({fields.get('dtype', '?')})"
+
+
 def markdown(result: dict[str, Any]) -> str:
     ref = result["runs"][REFERENCE]["loss"]
     rows = []
     for name, r in result["runs"].items():
         gap = "—" if name == REFERENCE else f"{max(abs(r['loss'][s] - ref[s]) for s in ref):.4f}"
         val = " / ".join(f"{r['val_loss'][s]:.3f}" for s in sorted(r["val_loss"]))
-        rows.append(f"| {name} | {r['loss'][1]:.3f} → {r['loss'][STEPS]:.3f} | {val} | {gap} | `{r['export']}` |")
+        rows.append(
+            f"| {name} | {r['loss'][1]:.3f} → {r['loss'][STEPS]:.3f} | {val} | {gap} | {export_gap(r['export'])} |"
+        )
     return (
         "# QLoRA: a 4-bit base against the 16-bit base, same LoRA run, same rows\n\n"
         f"`python -m bench.qlora_loss`: tiny Llama {json.dumps(ARCH)}, saved in bf16; LoRA r8 attn+mlp, lr 1e-2, "
         f"micro 2 × 3 ranks, {STEPS} steps, seed 0. Machine: {result['machine']['cpu_count']} cores, "
         f"torch {result['machine']['torch']}.\n\n"
-        "| run | loss step 1 → 12 | val loss steps 6 / 12 | max per-step |Δloss| vs 16-bit | export |\n"
+        "| run | loss step 1 → 12 | val loss steps 6 / 12 | max per-step \\|Δloss\\| vs 16-bit | export \\|Δlogit\\| |\n"
         "|---|---|---|---|---|\n" + "\n".join(rows) + "\n"
     )
 
