@@ -18,13 +18,13 @@ Two more train.py runs on the moe case give the cost of what the others leave ou
 bias update and sequence-wise loss) and the tiled loss on (train.py's defaults), each against the moe train.py run.
 
 Each loop writes train.py-shaped records (step, host time) every ``--log-interval`` steps; a run's figure is the
-median seconds per optimizer step over its log windows after the first (warm-up), windows measured record to record
-so they include everything the loop does. A variant's figure is the median over repetitions; within each case the
+median seconds per optimizer step over its log windows after the first (warm-up), windows measured record to record so
+they include everything the loop does. A variant's figure is the median over repetitions; within each case the
 variants run in rotating order (A B C, B C A, ...) and the cases alternate, so drift in the machine's load hits every
 variant alike; each ratio is also given per repetition (paired), with its spread. On a CPU-only machine each run first
 waits (up to ``--max-wait`` s) until other processes use fewer than ``--max-busy`` cores, and records what they used.
-Writes ``bench/results/compare_loops.{json,md}``. Targets: train.py within 3 % of the bare loop per step and no slower
-than HF Trainer.
+Writes ``bench/results/compare_loops.{json,md}`` (with ``--variants`` a subset: ``compare_loops_partial.{json,md}``).
+Targets: train.py within 3 % of the bare loop per step and no slower than HF Trainer.
 """
 
 from __future__ import annotations
@@ -369,8 +369,8 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     }
     if set(args.variants) == set(BY_NAME) and all(runs.values()):
         write_results(args.results, "compare_loops", result, markdown(result))
-    else:  # a partial comparison is printed, never written over the full one
-        print(markdown(result))
+    else:  # a partial comparison is never written over the full one: compare_loops_partial.{json,md}
+        write_results(args.results, "compare_loops_partial", result | {"variants": args.variants}, markdown(result))
     return result
 
 
