@@ -27,6 +27,15 @@ def preimport() -> None:
     sys.path.pop(0)
 
 
+def redirect_output(stdout: str, stderr: str) -> None:
+    """Point this process's stdout and stderr (file descriptors 1 and 2) at the named files; an empty name keeps it."""
+    for fd, path in ((1, stdout), (2, stderr)):
+        if path:
+            opened = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o644)
+            os.dup2(opened, fd)
+            os.close(opened)
+
+
 def fork_script(script: str, args: list[str], env: dict[str, str], stdout: str = "", stderr: str = "") -> int:
     """Fork a child that runs ``python SCRIPT ARGS`` with ``env`` added to the environment (its stdout and stderr
     into the named files, else this process's); return its pid. The child never returns."""
@@ -38,9 +47,7 @@ def fork_script(script: str, args: list[str], env: dict[str, str], stdout: str =
     code = 1
     try:
         os.environ.update(env)
-        for fd, path in ((1, stdout), (2, stderr)):
-            if path:
-                os.dup2(os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o644), fd)
+        redirect_output(stdout, stderr)
         sys.argv = [script, *args]
         sys.path.insert(0, str(Path(script).resolve().parent))
         runpy.run_path(script, run_name="__main__")

@@ -19,7 +19,7 @@ import socket
 import sys
 import traceback
 
-from forked import preimport
+from forked import preimport, redirect_output
 from spawn_ranks import run_ranks
 
 
@@ -32,8 +32,7 @@ def serve(conn: socket.socket) -> None:
         request = json.loads(conn.makefile("r").readline())
         os.environ.clear()
         os.environ.update(request["env"])
-        for fd, path in ((1, request["stdout"]), (2, request["stderr"])):
-            os.dup2(os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o644), fd)
+        redirect_output(request["stdout"], request["stderr"])
         conn.sendall((json.dumps({"pid": os.getpid()}) + "\n").encode())
         code = run_ranks(str(request["nproc"]), str(request["port"]), request["script"], request["args"])
     except BaseException:
