@@ -13,7 +13,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import socket
 import statistics
 import subprocess
 import sys
@@ -24,6 +23,7 @@ from typing import Any
 
 from bench.scaling import REPO, launch_env, machine, repo_path, write_results
 from deepzero.distributed import free_port
+from tests.helpers import zygote
 
 WAYS = ("deepspeed launcher", "forked ranks", "zygote")
 
@@ -34,23 +34,10 @@ def command(way: str, ranks: int) -> list[str]:
     return [sys.executable, "tests/helpers/spawn_ranks.py", str(ranks), str(free_port())]
 
 
-def start_zygote(sock: Path) -> subprocess.Popen:
-    cmd = [sys.executable, "tests/helpers/zygote.py", str(sock)]
-    proc = subprocess.Popen(cmd, cwd=REPO, env=launch_env(), stdout=subprocess.PIPE, text=True)
-    assert proc.stdout.readline().strip() == "ready"
-    return proc
-
-
 def ask_zygote(sock: Path, ranks: int, args: list[str], out: Path) -> None:
-    """One launch through the zygote (the protocol of tests/helpers/zygote.py), its output beside ``out``."""
+    """One launch through the zygote, its output beside ``out``."""
     request = {"nproc": ranks, "port": free_port(), "script": "train.py", "args": args, "env": launch_env()}
-    request |= {"stdout": f"{out}.stdout", "stderr": f"{out}.stderr"}
-    with socket.socket(socket.AF_UNIX, socket.SOCK_STREAM) as conn:
-        conn.connect(str(sock))
-        conn.sendall((json.dumps(request) + "\n").encode())
-        answers = conn.makefile("r")
-        answers.readline()  # {"pid": ...}
-        code = json.loads(answers.readline())["returncode"]
+    _, code = zygote.ask(sock, request | {"stdout": f"{out}.stdout", "stderr": f"{out}.stderr"})
     if code != 0:
         raise RuntimeError(f"zygote launch exited {code}: {Path(f'{out}.stderr').read_text()[-3000:]}")
 
@@ -96,7 +83,7 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     seconds: dict[str, list[float]] = {way: [] for way in WAYS}
     losses: dict[str, list[list[float]]] = {way: [] for way in WAYS}
     with tempfile.TemporaryDirectory() as tmp:
-        zygote = start_zygote(Path(tmp) / "zygote.sock")
+        server = zygote.start(Path(tmp) / "zygote.sock", launch_env())
         try:
             for rep in range(args.reps):
                 for way in WAYS[rep % 3 :] + WAYS[: rep % 3]:
@@ -105,7 +92,7 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
                     seconds[way].append(took)
                     losses[way].append(curve)
         finally:
-            zygote.kill()
+            server.kill()
     median = {way: statistics.median(seconds[way]) for way in WAYS}
     result = {
         "reps": args.reps,

@@ -6,7 +6,6 @@ import contextlib
 import json
 import os
 import signal
-import socket
 import subprocess
 import sys
 import sysconfig
@@ -16,6 +15,7 @@ from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
+from helpers import zygote
 
 from deepzero.distributed import free_port
 from deepzero.errors import UserError
@@ -139,12 +139,10 @@ class Zygotes:
         if key not in self.started:
             path = self.root / f"z{len(self.started)}.sock"
             log = (self.root / f"z{len(self.started)}.log").open("w")
-            cmd = [sys.executable, str(REPO / "tests" / "helpers" / "zygote.py"), str(path)]
-            popen = dict(cwd=REPO, env=env, stdout=subprocess.PIPE, stderr=log, text=True, start_new_session=True)
-            proc = subprocess.Popen(cmd, **popen)
-            if proc.stdout.readline().strip() != "ready":
-                raise AssertionError(f"zygote did not start: {Path(log.name).read_text()[-3000:]}")
-            self.started[key] = (proc, path)
+            try:
+                self.started[key] = (zygote.start(path, env, stderr=log), path)
+            except RuntimeError as err:
+                raise AssertionError(f"{err}: {Path(log.name).read_text()[-3000:]}") from None
         return self.started[key][1]
 
     def close(self) -> None:
@@ -174,20 +172,9 @@ def run_forked(
     request = {"nproc": nproc, "port": free_port(), "script": script, "args": args, "env": env}
     request |= {"stdout": str(files / "stdout"), "stderr": str(files / "stderr")}
     cmd = ["zygote", str(nproc), script, *args]
-    with socket.socket(socket.AF_UNIX, socket.SOCK_STREAM) as conn:
-        conn.connect(str(sock))
-        conn.sendall((json.dumps(request) + "\n").encode())
-        answers = conn.makefile("r")
-        conn.settimeout(60)
-        pid = json.loads(answers.readline())["pid"]
-        conn.settimeout(timeout)
-        with contextlib.suppress(TimeoutError):
-            answer = answers.readline()
-            if answer:
-                code = json.loads(answer)["returncode"]
-                return subprocess.CompletedProcess(
-                    cmd, code, *(f.read_text() for f in (files / "stdout", files / "stderr"))
-                )
+    pid, code = zygote.ask(sock, request, timeout)
+    if code is not None:
+        return subprocess.CompletedProcess(cmd, code, *(f.read_text() for f in (files / "stdout", files / "stderr")))
     for sig in (signal.SIGABRT, signal.SIGKILL):
         with contextlib.suppress(ProcessLookupError):
             os.killpg(pid, sig)

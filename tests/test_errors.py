@@ -314,7 +314,7 @@ def run_case(case: Case) -> Outcome:
     return Outcome(case, proc.returncode, proc.stderr, before)
 
 
-def run_forked(made: dict[str, Case], root: Path) -> dict[str, Outcome]:
+def run_cases_in_forks(made: dict[str, Case], root: Path) -> dict[str, Outcome]:
     """The cases as forks of one process that imported train.py's modules once (tests/helpers/fork_cases.py):
     each child is ``python train.py ARGS`` with the case's environment, without ~7 CPU-seconds of imports each."""
     befores = {name: snapshot(case.keep) for name, case in made.items()}
@@ -345,7 +345,7 @@ def outcomes(tiny_data: Path, tmp_path_factory: pytest.TempPathFactory) -> dict[
     """Every single-process row: train.py's as forks of one process, but for a faked CPU's; data/prepare.py's."""
     made = cases(tiny_data, tmp_path_factory.mktemp("errors"))
     own = {k: v for k, v in made.items() if v.argv[1] != "train.py" or set(v.env) & set(IMPORT_TIME_ENV)}
-    forked = run_forked({k: v for k, v in made.items() if k not in own}, tmp_path_factory.mktemp("forked"))
+    forked = run_cases_in_forks({k: v for k, v in made.items() if k not in own}, tmp_path_factory.mktemp("forked"))
     with ThreadPoolExecutor(PARALLEL) as pool:
         return forked | dict(zip(own, pool.map(run_case, own.values()), strict=True))
 

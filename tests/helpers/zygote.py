@@ -8,6 +8,9 @@ that starts its own session (so the client can stop it and its ranks as one proc
 with ``env``, points stdout and stderr at the named files, answers ``{"pid": ...}``, runs the ranks as
 tests/helpers/spawn_ranks.py does and answers ``{"returncode": ...}`` at the end. What Python reads at start-up or
 import comes from the zygote's own environment, so the client keeps one zygote per such environment.
+
+Clients call :func:`start` and :func:`ask` (tests/conftest.launch, bench/launch_cost.py); the server imports its
+helpers inside its functions, so this module also imports as ``helpers.zygote`` or ``tests.helpers.zygote``.
 """
 
 from __future__ import annotations
@@ -16,15 +19,45 @@ import json
 import os
 import signal
 import socket
+import subprocess
 import sys
 import traceback
+from pathlib import Path
+from typing import IO, Any
 
-from forked import preimport, redirect_output
-from spawn_ranks import run_ranks
+
+def start(sock: Path, env: dict[str, str], stderr: IO[str] | None = None) -> subprocess.Popen[str]:
+    """A zygote listening on SOCK, started in the repository with ENV in its own session, once it says ``ready``."""
+    cmd = [sys.executable, __file__, str(sock)]
+    popen: dict[str, Any] = dict(cwd=Path(__file__).parents[2], env=env, stderr=stderr, start_new_session=True)
+    proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, text=True, **popen)
+    if proc.stdout is None or proc.stdout.readline().strip() != "ready":
+        proc.kill()
+        raise RuntimeError(f"the zygote on {sock} did not start (exit {proc.wait()})")
+    return proc
+
+
+def ask(sock: Path, request: dict[str, Any], timeout: float | None = None) -> tuple[int, int | None]:
+    """One launch: send REQUEST, return its launcher's pid and exit code (None if TIMEOUT s pass or no answer)."""
+    with socket.socket(socket.AF_UNIX, socket.SOCK_STREAM) as conn:
+        conn.connect(str(sock))
+        conn.sendall((json.dumps(request) + "\n").encode())
+        answers = conn.makefile("r")
+        conn.settimeout(60)
+        pid = json.loads(answers.readline())["pid"]
+        conn.settimeout(timeout)
+        try:
+            answer = answers.readline()
+        except TimeoutError:
+            return pid, None
+        return pid, json.loads(answer)["returncode"] if answer else None
 
 
 def serve(conn: socket.socket) -> None:
     """In the forked launcher: one request, its ranks, its exit code; never returns."""
+    from forked import redirect_output  # the server runs as a script, beside these modules
+    from spawn_ranks import run_ranks
+
     code = 1
     try:
         os.setsid()
@@ -47,6 +80,8 @@ def serve(conn: socket.socket) -> None:
 
 
 def main(path: str) -> None:
+    from forked import preimport
+
     preimport()
     server = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
     server.bind(path)
