@@ -11,6 +11,9 @@ SEQ_LEN   ?= 256
 OUT       ?= runs/default
 TRAIN_ARGS ?=
 PYTEST_ARGS ?=
+# Test files run on this many pytest-xdist workers (a file's tests stay together on one): launches and
+# single-threaded in-process tests fill each other's idle CPU. 1 runs the suite in one process.
+TEST_WORKERS ?= 2
 
 .PHONY: setup data train sft sft-long dpo grpo test lint plan doctor plot bench bench-gpu clean
 
@@ -99,7 +102,7 @@ grpo: setup
 	$(BIN)/python data/grpo_example.py --score $(GRPO_OUT)/hf --data $(GRPO_DATA)
 
 test: setup
-	$(BIN)/python -m pytest $(PYTEST_ARGS) tests; rc=$$?; \
+	$(BIN)/python -m pytest $(if $(filter-out 1,$(TEST_WORKERS)),-n $(TEST_WORKERS) --dist loadfile) $(PYTEST_ARGS) tests; rc=$$?; \
 	if [ $$rc -eq 5 ]; then echo "pytest collected no tests"; exit 1; fi; exit $$rc
 
 lint: setup

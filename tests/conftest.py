@@ -15,6 +15,7 @@ from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
+import torch
 from helpers import zygote
 
 from deepzero.distributed import free_port
@@ -22,6 +23,19 @@ from deepzero.errors import UserError
 from deepzero.op_builds import check_op_builds
 from deepzero.precision import DeviceKernels, probe_cpu
 
+
+def share_the_cores_between_workers() -> None:
+    """Under make test's pytest-xdist workers, each worker's in-process torch (and what it runs) takes its share of
+    the cores: OpenMP threads spin while they wait, so two workers' default pools on 2 cores starve the ranks the
+    other worker launched (a 19 s launch took 233 s beside an in-process DPO run)."""
+    workers = int(os.environ.get("PYTEST_XDIST_WORKER_COUNT", "1"))
+    if workers > 1:
+        threads = max(1, len(os.sched_getaffinity(0)) // workers)
+        os.environ["OMP_NUM_THREADS"] = str(threads)
+        torch.set_num_threads(threads)
+
+
+share_the_cores_between_workers()
 os.environ.setdefault("DS_ACCELERATOR", "cpu")  # in-process checks see the device the test ranks use, GPU box or not
 REPO = Path(__file__).resolve().parents[1]
 STDLIB = Path(sysconfig.get_paths()["stdlib"])
@@ -46,12 +60,34 @@ def pytest_report_header() -> str:
     return f"cpu: {CPU.describe()}"
 
 
+SHM_BEFORE = pytest.StashKey[set[Path]]()
+
+
+def shm_buffers() -> set[Path]:
+    shm = Path("/dev/shm")
+    return set(shm.glob("deepspeed_allreduce_buffer_*")) if shm.is_dir() else set()
+
+
+def is_xdist_worker(session: pytest.Session) -> bool:
+    return hasattr(session.config, "workerinput")
+
+
 def pytest_sessionstart(session: pytest.Session) -> None:
     """A lock left by a killed DeepSpeed op build would make every launch below wait until its timeout."""
     try:
         check_op_builds()
     except UserError as err:
         pytest.exit(f"error: {err}", returncode=2)
+    if not is_xdist_worker(session):
+        session.config.stash[SHM_BEFORE] = shm_buffers()
+
+
+def pytest_sessionfinish(session: pytest.Session) -> None:
+    """Belt and braces: remove DeepSpeed /dev/shm buffers that appeared during the run (a killed run can leave
+    some), once every worker is done. Whether deepzero itself releases them is asserted per launch in test_train_e2e."""
+    if not is_xdist_worker(session) and SHM_BEFORE in session.config.stash:
+        for path in shm_buffers() - session.config.stash[SHM_BEFORE]:
+            path.unlink(missing_ok=True)
 
 
 def fake_cpu_vars(kernels: str) -> dict[str, str]:
@@ -222,14 +258,3 @@ def records(out: Path, kind: str = "train") -> list[dict]:
 
 def losses(out: Path) -> dict[int, float]:
     return {r["step"]: r["loss"] for r in records(out)}
-
-
-@pytest.fixture(autouse=True, scope="session")
-def remove_leaked_shared_memory() -> Iterator[None]:
-    """Belt and braces: remove DeepSpeed /dev/shm buffers that appeared during the session (a killed run can
-    leave some). Whether deepzero itself releases them is asserted per launch in test_train_e2e."""
-    shm = Path("/dev/shm")
-    before = set(shm.glob("deepspeed_allreduce_buffer_*")) if shm.is_dir() else set()
-    yield
-    for path in (set(shm.glob("deepspeed_allreduce_buffer_*")) if shm.is_dir() else set()) - before:
-        path.unlink(missing_ok=True)
