@@ -4,7 +4,8 @@ Each "node" runs what launch/multi_node.sh --no_ssh runs on a real node:
 ``deepspeed --hostfile H --no_ssh --node_rank N --master_addr 127.0.0.1 --master_port P train.py ...``.
 With --no_ssh DeepSpeed still sizes the job from the hostfile (one ``name slots=K`` line per node, in node-rank
 order); the names are never resolved or contacted in this mode, so ``node0``/``node1`` work on a single machine.
-The 2 × 2 job must train exactly like one launcher with ``--num_gpus=4``: same global ranks, same batches, fp32.
+The 2 × 2 job must train exactly like 4 ranks on one node (the ranks ``--num_gpus=4`` starts, forked by the test
+session's zygote): same global ranks, same batches, fp32.
 
 Storage that is not shared (each node writes the same path onto its own disk) is simulated by giving node 1 its own
 ``--out``: its ranks then write into a folder node 0 never sees, which is what a node-local disk does to them.
@@ -107,7 +108,7 @@ def test_two_nodes_of_two_ranks_match_one_node_of_four(tiny_data: Path, tmp_path
     assert "world 4" not in node1  # the header and metrics come from global rank 0 only
 
     single = tmp_path / "single"
-    proc = launch(run_args(tiny_data, single), nproc=NODES * SLOTS, timeout=TIMEOUT, real_launcher=True)
+    proc = launch(run_args(tiny_data, single), nproc=NODES * SLOTS, timeout=TIMEOUT)  # 4 ranks as --num_gpus=4 has them
     assert "world 4 on cpu (gloo)" in proc.stdout
 
     a, b = losses(multi), losses(single)

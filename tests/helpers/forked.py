@@ -1,7 +1,7 @@
 """Scripts run as forks of one process that imported their heavy modules once.
 
-Each rank or command of a test would otherwise import torch, Transformers and DeepSpeed (and torch._dynamo, which
-the first optimizer pulls in) itself: about 10 CPU-seconds before its first line of work, most of a tiny launch. A
+Each rank or command of a test would otherwise import torch, Transformers and DeepSpeed (and torch._dynamo and
+torch._inductor, which the engine's first optimizer pulls in) itself: about 10 CPU-seconds before its first line of work, most of a tiny launch. A
 fork is a fresh process for everything the script does at run time (its environment, arguments, process group,
 files, signals); only what is read at import time comes from the forking process, whose environment the caller
 makes the same (tests/helpers/spawn_ranks.py, tests/helpers/fork_cases.py). Tests run with OMP_NUM_THREADS=1, so
@@ -18,9 +18,17 @@ from pathlib import Path
 
 
 def preimport() -> None:
-    """What train.py imports, and what its first optimizer imports: once, in the forking process."""
+    """What train.py imports, what ``deepspeed.initialize`` and the test models import: once, in the forking process.
+
+    DeepSpeed's optimizer sanity check imports its Muon optimizer, which applies ``torch.compile`` at import and so
+    imports torch._inductor: about 4 CPU-seconds per rank (a fifth of a short launch's, py-spy)."""
     sys.path.insert(0, os.getcwd())  # as for `python train.py` run from the repo
+    import deepspeed.runtime.zero.muon.muon_optimizer  # noqa: F401
     import torch._dynamo  # noqa: F401
+    import transformers.models.deepseek_v2.modeling_deepseek_v2
+    import transformers.models.deepseek_v3.modeling_deepseek_v3
+    import transformers.models.llama.modeling_llama
+    import transformers.models.qwen2.modeling_qwen2  # noqa: F401
 
     import deepzero.trainer  # noqa: F401
 
