@@ -24,6 +24,7 @@ $(VENV)/.installed: requirements.txt
 	$(BIN)/python -m pip install -q --upgrade pip
 	$(BIN)/python -m pip install -q "$(TORCH_SPEC)"
 	$(BIN)/python -m pip install -q -r requirements.txt
+	$(BIN)/python -m deepzero.op_builds
 	touch $@
 
 # Embedded default data: the Python standard library's own source, with a BPE tokenizer trained on it here.

@@ -2,11 +2,17 @@
 
 torch's builder waits, silently and for ever, while that lock exists; a build that was killed (Ctrl-C, a job
 time limit, a lost session) leaves it behind, and every later launch then hangs before its first step.
+
+``python -m deepzero.op_builds [PRESET]`` (run by ``make setup`` for the seed preset) compiles the ops a preset loads
+on the CPU accelerator once, up front: the first launch would otherwise stall a minute or more on 2 cores, every rank
+waiting on the build without a word.
 """
 
 from __future__ import annotations
 
+import json
 import os
+import sys
 import time
 from pathlib import Path
 
@@ -44,3 +50,43 @@ def check_op_builds(root: Path | None = None) -> None:
             f"left by a DeepSpeed op build that started {started} UTC and never finished; every launch waits on it",
             f"rm {lock} (the next launch completes the build)",
         )
+
+
+BUILDERS = {"fused_adam": "FusedAdamBuilder", "cpu_adam": "CPUAdamBuilder", "deepspeed_shm_comm": "ShareMemCommBuilder"}
+"""DeepSpeed's builder class of each op deepzero.doctor.preset_ops names."""
+SEED_PRESET = Path(__file__).resolve().parents[1] / "ds_configs" / "zero2.json"
+
+
+def build_cpu_ops(preset: Path = SEED_PRESET) -> list[str]:
+    """Compile (or find compiled) the ops ``preset`` loads on the CPU accelerator (``doctor.preset_ops``); their
+    names. Elsewhere nothing is done: a CUDA box builds its ops with nvcc on first use."""
+    from deepspeed.accelerator import get_accelerator
+
+    from deepzero.doctor import preset_ops
+
+    accelerator = get_accelerator()
+    if accelerator.device_name() != "cpu":
+        return []
+    check_op_builds()
+    ops = preset_ops(json.loads(preset.read_text()), "cpu")
+    for name in ops:
+        accelerator.create_op_builder(BUILDERS[name]).load(verbose=False)
+    return ops
+
+
+def main(argv: list[str] | None = None) -> None:
+    preset = Path((argv if argv is not None else sys.argv[1:] or [str(SEED_PRESET)])[0])
+    start = time.monotonic()
+    print(
+        f"deepzero: compiling the DeepSpeed CPU ops {preset.name} loads, once (minutes on 2 cores; launches reuse them)"
+    )
+    try:
+        built = build_cpu_ops(preset)
+    except UserError as err:
+        sys.exit(f"error: {err}")
+    ready = ", ".join(built) or "none needed"
+    print(f"deepzero: DeepSpeed ops ready in {build_root()}: {ready} ({time.monotonic() - start:.0f} s)")
+
+
+if __name__ == "__main__":
+    main()

@@ -96,7 +96,10 @@ def ds_config() -> dict[str, Any]:
         "train_micro_batch_size_per_gpu": MICRO,
         "gradient_accumulation_steps": ACCUM,
         "train_batch_size": MICRO * ACCUM,
-        "optimizer": {"type": "AdamW", "params": {"lr": 1e-3, "weight_decay": 0.0}},
+        "optimizer": {
+            "type": "AdamW",
+            "params": {"lr": 1e-3, "weight_decay": 0.0, "torch_adam": True},
+        },  # as the presets
         "zero_optimization": {"stage": 1},
         "steps_per_print": 1_000_000,
     }

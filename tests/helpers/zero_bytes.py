@@ -139,7 +139,10 @@ def ds_config(stage: int) -> dict[str, Any]:
         "train_micro_batch_size_per_gpu": 1,
         "gradient_accumulation_steps": 1,
         "bf16": {"enabled": True},
-        "optimizer": {"type": "AdamW", "params": {"lr": 1e-3, "weight_decay": 0.0}},
+        "optimizer": {
+            "type": "AdamW",
+            "params": {"lr": 1e-3, "weight_decay": 0.0, "torch_adam": True},
+        },  # as the presets
         "zero_optimization": {"stage": stage},
         "steps_per_print": 1_000_000,
     }
