@@ -29,7 +29,7 @@ import torch
 
 from deepzero import __version__, dsconfig, precision
 from deepzero.errors import UserError
-from deepzero.op_builds import stale_locks
+from deepzero.op_builds import preset_ops, stale_locks
 
 P2P_ADVICE = "export NCCL_P2P_DISABLE=1 NCCL_IB_DISABLE=1 (or: source launch/env_4090.sh)"
 CKPT_BYTES_PER_PARAM = 14
@@ -232,20 +232,6 @@ def toolchain() -> dict[str, str | None]:
         "c++": shutil.which("c++") or shutil.which("g++"),
         "nvcc": str(nvcc) if nvcc and nvcc.is_file() else shutil.which("nvcc"),
     }
-
-
-def preset_ops(cfg: dict[str, Any], accelerator: str | None = None) -> list[str]:
-    """The DeepSpeed ops a preset loads. Its optimizer's, in the order DeepSpeed's engine picks it: none with
-    torch_adam (torch's AdamW), cpu_adam when the optimizer is offloaded, else fused_adam. On the CPU accelerator
-    every run also builds deepspeed_shm_comm (DeepSpeed's shared-memory collectives, comm/torch.py)."""
-    comm = ["deepspeed_shm_comm"] if accelerator == "cpu" else []
-    optimizer = cfg.get("optimizer") or {}
-    if str(optimizer.get("type", "")).lower() not in ("adam", "adamw"):
-        return comm
-    if (optimizer.get("params") or {}).get("torch_adam") is True:
-        return comm
-    offload = ((cfg.get("zero_optimization") or {}).get("offload_optimizer") or {}).get("device")
-    return ["cpu_adam" if offload in ("cpu", "nvme") else "fused_adam", *comm]
 
 
 def preset_build(

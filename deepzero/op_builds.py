@@ -15,6 +15,7 @@ import os
 import sys
 import time
 from pathlib import Path
+from typing import Any
 
 from torch.utils.cpp_extension import get_default_build_root
 
@@ -52,17 +53,29 @@ def check_op_builds(root: Path | None = None) -> None:
         )
 
 
+def preset_ops(cfg: dict[str, Any], accelerator: str | None = None) -> list[str]:
+    """The DeepSpeed ops a preset loads. Its optimizer's, in the order DeepSpeed's engine picks it: none with
+    torch_adam (torch's AdamW), cpu_adam when the optimizer is offloaded, else fused_adam. On the CPU accelerator
+    every run also builds deepspeed_shm_comm (DeepSpeed's shared-memory collectives, comm/torch.py)."""
+    comm = ["deepspeed_shm_comm"] if accelerator == "cpu" else []
+    optimizer = cfg.get("optimizer") or {}
+    if str(optimizer.get("type", "")).lower() not in ("adam", "adamw"):
+        return comm
+    if (optimizer.get("params") or {}).get("torch_adam") is True:
+        return comm
+    offload = ((cfg.get("zero_optimization") or {}).get("offload_optimizer") or {}).get("device")
+    return ["cpu_adam" if offload in ("cpu", "nvme") else "fused_adam", *comm]
+
+
 BUILDERS = {"fused_adam": "FusedAdamBuilder", "cpu_adam": "CPUAdamBuilder", "deepspeed_shm_comm": "ShareMemCommBuilder"}
-"""DeepSpeed's builder class of each op deepzero.doctor.preset_ops names."""
+"""DeepSpeed's builder class of each op :func:`preset_ops` names."""
 SEED_PRESET = Path(__file__).resolve().parents[1] / "ds_configs" / "zero2.json"
 
 
 def build_cpu_ops(preset: Path = SEED_PRESET) -> list[str]:
-    """Compile (or find compiled) the ops ``preset`` loads on the CPU accelerator (``doctor.preset_ops``); their
+    """Compile (or find compiled) the ops ``preset`` loads on the CPU accelerator (:func:`preset_ops`); their
     names. Elsewhere nothing is done: a CUDA box builds its ops with nvcc on first use."""
     from deepspeed.accelerator import get_accelerator
-
-    from deepzero.doctor import preset_ops
 
     accelerator = get_accelerator()
     if accelerator.device_name() != "cpu":
