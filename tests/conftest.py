@@ -26,8 +26,7 @@ from deepzero.precision import DeviceKernels, probe_cpu
 
 def share_the_cores_between_workers() -> None:
     """Under make test's pytest-xdist workers, each worker's in-process torch (and what it runs) takes its share of
-    the cores: OpenMP threads spin while they wait, so two workers' default pools on 2 cores starve the ranks the
-    other worker launched (a 19 s launch took 233 s beside an in-process DPO run)."""
+    the cores, so two workers' OpenMP pools do not oversubscribe the cores that the launched ranks also need."""
     workers = int(os.environ.get("PYTEST_XDIST_WORKER_COUNT", "1"))
     if workers > 1:
         threads = max(1, len(os.sched_getaffinity(0)) // workers)
