@@ -10,7 +10,7 @@ waiting on the build without a word.
 
 from __future__ import annotations
 
-import json
+import argparse
 import os
 import sys
 import time
@@ -81,14 +81,18 @@ def build_cpu_ops(preset: Path = SEED_PRESET) -> list[str]:
     if accelerator.device_name() != "cpu":
         return []
     check_op_builds()
-    ops = preset_ops(json.loads(preset.read_text()), "cpu")
+    from deepzero.dsconfig import load_json
+
+    ops = preset_ops(load_json(preset), "cpu")
     for name in ops:
         accelerator.create_op_builder(BUILDERS[name]).load(verbose=False)
     return ops
 
 
 def main(argv: list[str] | None = None) -> None:
-    preset = Path((argv if argv is not None else sys.argv[1:] or [str(SEED_PRESET)])[0])
+    parser = argparse.ArgumentParser(description="Compile the DeepSpeed CPU ops a preset loads, once.")
+    parser.add_argument("preset", nargs="?", type=Path, default=SEED_PRESET, help="a ds_configs/*.json preset")
+    preset = parser.parse_args(argv).preset
     start = time.monotonic()
     print(
         f"deepzero: compiling the DeepSpeed CPU ops {preset.name} loads, once (minutes on 2 cores; launches reuse them)"

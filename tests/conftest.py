@@ -18,7 +18,7 @@ import pytest
 import torch
 from helpers import zygote
 
-from deepzero.distributed import free_port
+from deepzero.distributed import SHM_DIR, free_port
 from deepzero.errors import UserError
 from deepzero.op_builds import check_op_builds
 from deepzero.precision import DeviceKernels, probe_cpu
@@ -63,8 +63,7 @@ SHM_BEFORE = pytest.StashKey[set[Path]]()
 
 
 def shm_buffers() -> set[Path]:
-    shm = Path("/dev/shm")
-    return set(shm.glob("deepspeed_allreduce_buffer_*")) if shm.is_dir() else set()
+    return set(SHM_DIR.glob("deepspeed_allreduce_buffer_*")) if SHM_DIR.is_dir() else set()
 
 
 def is_xdist_worker(session: pytest.Session) -> bool:

@@ -40,13 +40,11 @@ def test_no_locks_no_error(tmp_path: Path) -> None:
 def test_setup_builds_what_the_seed_preset_loads() -> None:
     """make setup's build (python -m deepzero.op_builds) leaves the seed preset's ops compiled for this venv, where
     the first launch loads them (the suite's launches then compile nothing)."""
-    import json
-
-    from deepzero.doctor import preset_ops
-    from deepzero.op_builds import build_cpu_ops, build_root
+    from deepzero.dsconfig import load_json
+    from deepzero.op_builds import build_cpu_ops, build_root, preset_ops
 
     built = build_cpu_ops()
-    assert built == preset_ops(json.loads(Path("ds_configs/zero2.json").read_text()), "cpu") == ["deepspeed_shm_comm"]
+    assert built == preset_ops(load_json("ds_configs/zero2.json"), "cpu") == ["deepspeed_shm_comm"]
     for name in built:
         folder = next(build_root().glob(f"*/{name}"), None) or build_root() / name
         assert (folder / f"{name}.so").is_file(), folder

@@ -1,11 +1,11 @@
 """Scripts run as forks of one process that imported their heavy modules once.
 
 Each rank or command of a test would otherwise import torch, Transformers and DeepSpeed (and torch._dynamo and
-torch._inductor, which the engine's first optimizer pulls in) itself: about 10 CPU-seconds before its first line of work, most of a tiny launch. A
-fork is a fresh process for everything the script does at run time (its environment, arguments, process group,
-files, signals); only what is read at import time comes from the forking process, whose environment the caller
-makes the same (tests/helpers/spawn_ranks.py, tests/helpers/fork_cases.py). Tests run with OMP_NUM_THREADS=1, so
-no OpenMP thread pool exists yet to be lost in the fork.
+torch._inductor, which the engine's first optimizer pulls in) itself: about 10 CPU-seconds before its first line of
+work, most of a tiny launch. A fork is a fresh process for everything the script does at run time (its environment,
+arguments, process group, files, signals); only what is read at import time comes from the forking process, whose
+environment the caller makes the same (tests/helpers/spawn_ranks.py, tests/helpers/fork_cases.py). Tests run with
+OMP_NUM_THREADS=1, so no OpenMP thread pool exists yet to be lost in the fork.
 """
 
 from __future__ import annotations
