@@ -11,7 +11,7 @@ import copy
 import os
 import shutil
 import sys
-from collections.abc import Iterator, Sequence
+from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -20,6 +20,7 @@ import torch
 import torch.distributed as dist
 from transformers import AutoModelForCausalLM
 
+from deepzero.modeling import zero3_init_off
 from deepzero.precision import TORCH_DTYPES, logit_tolerance
 
 SAME_DEVICE_ULPS = 2.0
@@ -68,7 +69,7 @@ def export_hf(engine: Any, tokenizer: Any, out_dir: Path, probe: dict[str, torch
     if engine.global_rank == 0:
         dtype = next(iter(state_dict.values())).dtype  # read first: save_pretrained may consume the dict
         attn = attn_implementation_of(engine.module)
-        with _zero3_init_off():
+        with zero3_init_off():
             diff = publish_and_compare(engine.module, tokenizer, out_dir, probe, engine_logits, dtype, attn, state_dict)
         report = ExportReport.measured(out_dir, diff, dtype, engine_logits, str(engine.device))
     if dist.is_initialized():
@@ -85,19 +86,6 @@ def eval_logits(engine: Any, probe: dict[str, torch.Tensor]) -> torch.Tensor:
     if was_training:
         engine.train()
     return logits
-
-
-@contextlib.contextmanager
-def _zero3_init_off() -> Iterator[None]:
-    """Rank 0 alone saves and reloads: Transformers must not wrap that in zero.Init (a collective → deadlock)."""
-    from transformers.integrations import deepspeed as hf_deepspeed
-
-    saved = hf_deepspeed._hf_deepspeed_config_weak_ref
-    hf_deepspeed.unset_hf_deepspeed_config()
-    try:
-        yield
-    finally:
-        hf_deepspeed._hf_deepspeed_config_weak_ref = saved
 
 
 def publish_and_compare(

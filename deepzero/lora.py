@@ -42,10 +42,10 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
+from deepzero import modeling
 from deepzero.errors import UserError
 from deepzero.export import (
     ExportReport,
-    _zero3_init_off,
     attn_implementation_of,
     consolidated_state_dict,
     eval_logits,
@@ -396,7 +396,7 @@ def export_lora_hf(
         peft_model = engine.module
         base = peft_model.get_base_model()
         wrapped = sum(1 for n, _ in peft_model.named_modules() if n.endswith(".lora_A"))
-        with _zero3_init_off():
+        with modeling.zero3_init_off():
             merged = merged_model(state_dict, peft_model.peft_config["default"], base.config)
             del state_dict
             attn = attn_implementation_of(base)

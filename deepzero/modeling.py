@@ -2,7 +2,9 @@
 
 from __future__ import annotations
 
+import contextlib
 import os
+from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -116,16 +118,20 @@ def build_model(
     experts_implementation: str | None = None,
     trust_remote_code: bool = False,
     quantization_config: Any = None,
+    on_host: bool = False,
 ) -> torch.nn.Module:
     """Random-init presets are built in fp32 (DeepSpeed casts them); pretrained weights load in the training
     dtype, which halves host RAM per rank against fp32. For ZeRO-3 call ``zero3_context`` first.
 
     ``experts_implementation`` (MoE models only; None keeps Transformers' default) selects the experts kernel.
-    ``quantization_config`` (pretrained weights only) loads a quantised base (``deepzero.quant``).
+    ``quantization_config`` (pretrained weights only) loads a quantised base (``deepzero.quant``), into host RAM
+    with ``on_host`` (Transformers' 4-bit loader otherwise puts it on the current card).
     """
     kwargs: dict[str, Any] = {"attn_implementation": attn_implementation, "trust_remote_code": trust_remote_code}
     if quantization_config is not None:
         kwargs["quantization_config"] = quantization_config
+    if on_host:
+        kwargs["device_map"] = {"": "cpu"}
     if experts_implementation is not None:
         kwargs["experts_implementation"] = experts_implementation
     try:
@@ -188,3 +194,17 @@ def _offline_fix() -> str:
     if os.environ.get("HF_HUB_OFFLINE") == "1":
         return "HF_HUB_OFFLINE=1 is set: download it first or pass a local folder"
     return "check the name, run `huggingface-cli download <id>` first, or pass a local folder"
+
+
+@contextlib.contextmanager
+def zero3_init_off() -> Iterator[None]:
+    """Transformers loads without zero.Init while this lasts: rank 0 alone saving and reloading (a collective there
+    would deadlock), or a rank loading a 4-bit base on the host by itself (``deepzero.partitioned_load``)."""
+    from transformers.integrations import deepspeed as hf_deepspeed
+
+    saved = hf_deepspeed._hf_deepspeed_config_weak_ref
+    hf_deepspeed.unset_hf_deepspeed_config()
+    try:
+        yield
+    finally:
+        hf_deepspeed._hf_deepspeed_config_weak_ref = saved

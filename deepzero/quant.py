@@ -5,8 +5,9 @@ of their absmax constants, compute in the run's precision) and is frozen (``prep
 train. Under ZeRO-3 the 4-bit blocks are stored in the compute dtype (``bnb_4bit_quant_storage``) so
 that DeepSpeed can flatten and partition them with the other parameters; under ZeRO-0/1/2 they stay uint8.
 
-Transformers never partitions a quantised model at load (its ``zero.Init`` is skipped for any quantiser): every rank
-loads the whole 4-bit base, and ZeRO-3 partitions it at ``deepspeed.initialize``. The planner counts that load.
+Transformers never partitions a quantised model at load (its ``zero.Init`` is skipped for any quantiser). Under ZeRO-2
+every card holds the whole 4-bit base anyway; under ZeRO-3 the ranks of a machine load it on the host one at a time
+and keep only their partition (``deepzero.partitioned_load``). The planner counts both loads.
 
 The export merges the trained adapters into the original 16-bit base read again from the model source (not the NF4
 blocks dequantised) and writes a plain Transformers folder, plus the adapters alone in peft's format. Its logits
@@ -26,10 +27,10 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
+from deepzero import modeling
 from deepzero.errors import UserError
 from deepzero.export import (
     ExportReport,
-    _zero3_init_off,
     attn_implementation_of,
     eval_logits,
     publish_hf,
@@ -74,6 +75,9 @@ class FourBit:
     """uint8, or under ZeRO-3 the compute dtype (DeepSpeed partitions floating-point parameters only)."""
     origin: str = FLAG
     """Where it was asked for: the flag or the preset's key (for the header and the errors)."""
+    load_on_host: bool = False
+    """ZeRO-3: each rank reads the base into host RAM in turn and keeps its partition (``deepzero.partitioned_load``);
+    otherwise each tensor goes straight to the card as it loads."""
 
     def bnb_config(self) -> Any:
         from transformers import BitsAndBytesConfig
@@ -87,7 +91,8 @@ class FourBit:
         )
 
     def describe(self) -> str:
-        return f"  base in 4 bits (NF4, double quant, compute {self.compute}, storage {self.storage})"
+        turns = ", read on the host one rank at a time" if self.load_on_host else ""
+        return f"  base in 4 bits (NF4, double quant, compute {self.compute}, storage {self.storage}{turns})"
 
     def to_json(self) -> dict[str, Any]:
         return {"quant_type": "nf4", "double_quant": True, "compute": self.compute, "storage": self.storage}
@@ -145,7 +150,7 @@ def choose(
             "ZeRO-3 parameter offload of 4-bit weights is not supported here",
             "drop offload_param (the 4-bit base is small: ds_configs/zero3.json)",
         )
-    four_bit = FourBit(precision, precision if stage == 3 else "uint8", origin)
+    four_bit = FourBit(precision, precision if stage == 3 else "uint8", origin, load_on_host=stage == 3)
     check_runnable(four_bit)
     return four_bit
 
@@ -243,7 +248,7 @@ def export_qlora_hf(
         peft_model = engine.module
         config = copy.deepcopy(peft_model.peft_config["default"])
         attn = attn_implementation_of(peft_model.get_base_model())
-        with _zero3_init_off():
+        with modeling.zero3_init_off():
             adapter_dir = out_dir.with_name(f"{out_dir.name}-adapter")
             merged, base_gap, dtype = _merge_into_16bit(source, config, adapters, probe, base_logits, attn, adapter_dir)
             publish_hf(merged, tokenizer, out_dir)

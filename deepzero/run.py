@@ -445,6 +445,7 @@ def make_model(args: TrainArgs, plan: RunPlan) -> nn.Module:
         experts_implementation=args.experts_impl,
         trust_remote_code=args.trust_remote_code,
         quantization_config=plan.four_bit.bnb_config() if plan.four_bit else None,
+        on_host=plan.four_bit is not None and plan.four_bit.load_on_host,
     )
     model.config.use_cache = False
     plan.savers.apply(model)

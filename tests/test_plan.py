@@ -108,7 +108,8 @@ def test_lora_only_adapters_get_gradients_and_optimizer(coder: plan.ModelStats) 
 
 def test_a_4bit_base_holds_its_linears_as_nf4_codes_and_the_rest_in_16_bits(coder: plan.ModelStats) -> None:
     """QLoRA (issue 32): every nn.Linear but the LM head is 4 bits + its constants, the rest 16-bit; ZeRO-3 shards
-    the codes like any parameter, the constants stay whole; every card first loads the whole 4-bit base."""
+    the codes like any parameter, the constants stay whole. Under ZeRO-2 every card first loads the whole 4-bit base;
+    under ZeRO-3 the ranks load it on the host in turn and each card holds its partition plus one whole tensor."""
     h, i, layers, r = 2048, 5504, 24, 16
     linears = layers * (4 * h * h + 3 * h * i)
     assert sum(coder.four_bit_numels()) == linears and len(coder.four_bit_numels()) == 7 * layers
@@ -121,31 +122,43 @@ def test_a_4bit_base_holds_its_linears_as_nf4_codes_and_the_rest_in_16_bits(code
     assert close(z2.params, linears / 2 + constants + 2 * (floats + adapters), 1e-6)
     z3 = estimate(coder, Setup(stage=3, world_size=N, lora_rank=r, four_bit=True))
     assert close(z3.params, (linears / 2 + 2 * floats) / N + constants + 2 * adapters * (1 + 1 / N), 1e-3)
-    assert z3.load == linears / 2 + constants + 2 * floats + 4 * adapters > z3.params
-    assert z3.allocated >= z3.load and z2.load == z3.load
+    whole = linears / 2 + constants + 2 * floats + 4 * adapters
+    assert z2.load == whole > z2.params and z2.allocated >= z2.load
+    largest = 2 * coder.param_numels[0]  # the embedding, in 16 bits: the largest tensor moved whole to a card
+    assert close(z3.load, (linears / 2 + 2 * floats) / N + constants + 4 * adapters + largest, 1e-6)
+    assert z3.load < z2.load and z3.allocated >= z3.load
+    assert close(z3.host_load, whole + largest, 1e-6)  # one rank at a time holds the whole base in host RAM
     assert estimate(coder, Setup(stage=3, world_size=N, lora_rank=r)).load == 0
     with pytest.raises(UserError, match="a 4-bit base needs LoRA"):
         Setup(stage=2, world_size=N, four_bit=True)
 
 
-def test_qlora_fits_32b_on_24gb_cards_and_says_why_70b_and_v2_lite_do_not() -> None:
-    """R1-Distill-Qwen-32B on 3 × 24 GiB: 16-bit LoRA needs ZeRO-3 with parameter offload, QLoRA fits ZeRO-3 on the
-    cards. 70B's whole 4-bit base (35 GiB) is each card's load peak; V2-Lite's fused routed experts are not nn.Linear,
-    so they stay 16-bit and its 4-bit base is nearly as large as the 16-bit one."""
+def test_qlora_fits_32b_and_70b_on_24gb_cards_and_v2_lite_gains_nothing() -> None:
+    """3 × 24 GiB at 2,048 tokens. R1-Distill-Qwen-32B: 16-bit LoRA needs ZeRO-3 with parameter offload, QLoRA fits
+    ZeRO-3 on the cards. R1-Distill-Llama-70B: its 4-bit base (37.6 GiB) never sits whole on a card (the ranks load it
+    on the host in turn, each keeping its ZeRO-3 partition), and it fits with the checkpointed activations offloaded,
+    which the planner tries only after every preset failed with train.py's defaults. V2-Lite's fused routed experts
+    are not nn.Linear, so they stay 16-bit: QLoRA plans what 16-bit LoRA plans."""
     gpu, cpu = 24 * GiB, 128 * GiB
-    for name, fits in (("deepseek-r1-distill-qwen-32b", True), ("deepseek-r1-distill-llama-70b", False)):
+    for name in ("deepseek-r1-distill-qwen-32b", "deepseek-r1-distill-llama-70b"):
         stats = model_stats(PRESETS[name].config(), name)
         lora = plan.recommend(stats, N, 2048, gpu, cpu, lora_rank=16)
         qlora = plan.recommend(stats, N, 2048, gpu, cpu, lora_rank=16, four_bit=True)
-        assert (qlora is not None) == fits, name
-        if fits:
-            assert lora is not None and lora.preset == "zero3_offload" and qlora.preset == "zero3"
-            assert qlora.setup.four_bit and qlora.estimate.gpu_total <= gpu
+        assert qlora is not None and qlora.preset == "zero3" and qlora.setup.four_bit, name
+        assert qlora.estimate.gpu_total <= gpu and qlora.estimate.load < qlora.estimate.allocated
+        whole = plan.four_bit_base_bytes(stats, qlora.setup)
+        assert qlora.estimate.load < whole / 2 and qlora.estimate.host_load > whole  # one whole base, on the host
+        if name.endswith("32b"):
+            assert lora is not None and lora.preset == "zero3_offload" and not qlora.setup.savers.offload
         else:
-            best = estimate(stats, Setup(stage=3, world_size=N, lora_rank=16, four_bit=True, checkpointing=True))
-            assert best.load > gpu and best.allocated == best.load
+            assert lora is None and qlora.setup.savers.offload and qlora.setup.checkpointing
+            defaults = replace(qlora.setup, micro_batch=1, savers=plan.SaverTerms.choose(stats.arch))
+            assert estimate(stats, defaults).gpu_total > gpu
     v2 = model_stats(PRESETS["deepseek-v2-lite"].config(), "deepseek-v2-lite")
     assert sum(v2.four_bit_numels()) < 0.1 * v2.total and v2.routed_experts > 0.8 * v2.total
+    lora = plan.recommend(v2, N, 2048, gpu, cpu, lora_rank=16)
+    qlora = plan.recommend(v2, N, 2048, gpu, cpu, lora_rank=16, four_bit=True)
+    assert lora is not None and qlora is not None and qlora.micro_batch == lora.micro_batch
 
 
 @pytest.mark.parametrize("name", ["tiny-deepseek-v3", "tiny-deepseek-v2", "qwen2-gqa"])
@@ -642,15 +655,16 @@ def test_tiled_mlp_keeps_one_tiles_intermediates(qwen: plan.ModelStats) -> None:
     ("model", "lora", "before", "after"),
     [
         ("deepseek-r1-distill-qwen-1.5b", 0, 9216, 742_400),
-        ("deepseek-r1-distill-qwen-7b", 16, 8192, 265_216),
-        ("deepseek-r1-distill-llama-8b", 16, 9216, 228_352),
+        ("deepseek-r1-distill-qwen-7b", 16, 8192, 330_752),
+        ("deepseek-r1-distill-llama-8b", 16, 9216, 281_600),
     ],
 )
 def test_longest_sequence_meets_the_long_context_goal(model: str, lora: int, before: int, after: int) -> None:
     """Issue 23 item 4 on 3 × 24 GiB cards and 128 GiB host, micro-batch 1: R1-Distill-Qwen-1.5B full fine-tune
     and R1-Distill-Qwen-7B / Llama-8B LoRA r16 at 32,768 tokens or more. Before (untiled loss, checkpointing the
     only saver) 8-9k; with the tiled loss, offloaded checkpoints, the tiled MLP and 3-way sequence parallelism under
-    zero3_offload, 228-742k (issue 24's goal: 1.5B full >= 131,072, 7B and 8B LoRA >= 65,536)."""
+    zero3_offload, 281-742k; a LoRA run's frozen LM head keeps no [V × H] weight gradient (issue 24's goal: 1.5B
+    full >= 131,072, 7B and 8B LoRA >= 65,536)."""
     stats = model_stats(PRESETS[model].config(), model)
     gpu, cpu = 24 * GiB, 128 * GiB
     only_ckpt = ((False, False, False), (True, False, False))

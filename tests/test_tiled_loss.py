@@ -11,6 +11,7 @@ from typing import Any
 import pytest
 import torch
 from test_pipeline import tiny_models
+from torch.utils._python_dispatch import TorchDispatchMode
 from transformers import AutoModelForCausalLM
 
 from deepzero.engines.layer_split import LayerSplitEngine, place_model
@@ -190,30 +191,12 @@ def test_16bit_backward_holds_no_vocab_by_hidden_temporary(dtype: torch.dtype) -
     outputs more elements than one tile's [tile × vocab] logits, except the fp32 accumulator and the result (before,
     each tile made a 16-bit [V × H] product and its fp32 copy); and the gradient equals one whole-vocabulary
     product per tile summed in fp32."""
-    from torch.utils._python_dispatch import TorchDispatchMode
-
     from deepzero.losses.tiled import _TiledCrossEntropy
 
     vocab, hidden, rows, tile = 1000, 16, 12, 4
-    gen = torch.Generator().manual_seed(0)
-    x = torch.randn(rows, hidden, generator=gen).to(dtype).requires_grad_()
-    w = torch.randn(vocab, hidden, generator=gen).to(dtype).mul(0.1).requires_grad_()
-    targets = torch.randint(0, vocab, (rows,), generator=gen)
-
-    class Largest(TorchDispatchMode):
-        def __init__(self) -> None:
-            super().__init__()
-            self.sizes: list[tuple[str, int]] = []
-
-        def __torch_dispatch__(self, func: Any, types: Any, args: Any = (), kwargs: Any = None) -> Any:
-            out = func(*args, **(kwargs or {}))
-            for t in out if isinstance(out, (tuple, list)) else [out]:
-                if isinstance(t, torch.Tensor) and not func.is_view:  # views allocate nothing
-                    self.sizes.append((str(func), t.numel()))
-            return out
-
+    x, w, targets = _head_inputs(vocab, hidden, rows, dtype)
     losses = _TiledCrossEntropy.apply(x, w, targets, tile)
-    with Largest() as seen:
+    with _Allocations() as seen:
         losses.sum().backward()
     whole = [op for op, n in seen.sizes if n >= vocab * hidden]
     assert whole == ["aten.zeros.default", "aten._to_copy.default"], whole  # the fp32 accumulator, its cast
@@ -228,3 +211,46 @@ def test_16bit_backward_holds_no_vocab_by_hidden_temporary(dtype: torch.dtype) -
     from deepzero.losses.tiled import vocab_block
 
     assert vocab_block(tile, vocab, hidden) == 250  # 250 × 16 = 4 × 1000: a block holds what a tile's logits hold
+
+
+def test_a_frozen_head_allocates_no_weight_gradient() -> None:
+    """LoRA's LM head is frozen: the backward allocates nothing of [V × H] (no fp32 accumulator, no cast) and
+    gives the hidden states exactly the gradient it gives them when the head trains."""
+    from deepzero.losses.tiled import _TiledCrossEntropy
+
+    vocab, hidden, rows, tile = 1000, 16, 12, 4
+    x, w, targets = _head_inputs(vocab, hidden, rows, torch.bfloat16)
+    _TiledCrossEntropy.apply(x, w, targets, tile).sum().backward()
+    trained = x.grad.clone()
+    x.grad, w.grad = None, None
+    w.requires_grad_(False)
+    losses = _TiledCrossEntropy.apply(x, w, targets, tile)
+    with _Allocations() as seen:
+        losses.sum().backward()
+    assert max(n for _, n in seen.sizes) <= tile * vocab and w.grad is None
+    assert torch.equal(x.grad, trained)
+    loss = TiledLoss(True, 3, min_tile_rows=1)  # the planner's term drops the fp32 accumulator and its 16-bit cast
+    frozen, trains = (loss.working_bytes(rows, vocab, hidden, 2, head_trains=t) for t in (False, True))
+    assert trains - frozen >= 6 * vocab * hidden
+
+
+def _head_inputs(vocab: int, hidden: int, rows: int, dtype: torch.dtype) -> tuple[torch.Tensor, ...]:
+    gen = torch.Generator().manual_seed(0)
+    x = torch.randn(rows, hidden, generator=gen).to(dtype).requires_grad_()
+    w = torch.randn(vocab, hidden, generator=gen).to(dtype).mul(0.1).requires_grad_()
+    return x, w, torch.randint(0, vocab, (rows,), generator=gen)
+
+
+class _Allocations(TorchDispatchMode):
+    """The (op, numel) of every tensor the ops run under it allocate (views allocate nothing)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.sizes: list[tuple[str, int]] = []
+
+    def __torch_dispatch__(self, func: Any, types: Any, args: Any = (), kwargs: Any = None) -> Any:
+        out = func(*args, **(kwargs or {}))
+        for t in out if isinstance(out, (tuple, list)) else [out]:
+            if isinstance(t, torch.Tensor) and not func.is_view:
+                self.sizes.append((str(func), t.numel()))
+        return out

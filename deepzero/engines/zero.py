@@ -30,6 +30,7 @@ from deepzero.errors import UserError
 from deepzero.export import ExportReport, export_hf
 from deepzero.lora import LoraSpec, apply_lora, export_lora_hf
 from deepzero.losses.objectives import Objective, PreferenceSettings, build_objective
+from deepzero.partitioned_load import load_partitioned
 
 Exporter = Callable[[Any, Any, Path, Batch], "ExportReport | None"]
 
@@ -89,7 +90,10 @@ class ZeroEngine(DeepSpeedBacked):
         sequence = sp.SequenceGroups.create(sequence_parallel) if sequence_parallel > 1 else None
         stage = int(ds_config.get("zero_optimization", {}).get("stage", 0))
         keep_alive = modeling.zero3_context(ds_config) if stage == 3 else None
-        model = build_model()
+        if four_bit is not None and four_bit.load_on_host:
+            model = load_partitioned(build_model, ds_config)
+        else:
+            model = build_model()
         partitioned = any(hasattr(p, "ds_id") for p in model.parameters())
         if gradient_checkpointing and not model.is_gradient_checkpointing:  # (the offloaded kind is set already)
             model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
@@ -99,6 +103,8 @@ class ZeroEngine(DeepSpeedBacked):
             model = quant.prepare(model)
         if lora is not None:  # after the build (ZeRO-3: already partitioned), before initialize
             model = apply_lora(model, lora)
+        if partitioned:
+            cast_the_unpartitioned(model, ds_config)
         params = [p for p in model.parameters() if p.requires_grad]
         mpu = None
         if sequence is not None:
@@ -162,6 +168,18 @@ class ZeroEngine(DeepSpeedBacked):
 
 AVG_SCATTER = "_DeepSpeedZeroOptimizer_Stage3__avg_scatter_grads"
 """ZeRO-3's reduce-scatter of gradients (``__avg_scatter_grads``), which :func:`stage3_gradient_factor` probes."""
+
+
+@torch.no_grad()
+def cast_the_unpartitioned(model: nn.Module, ds_config: dict[str, Any]) -> None:
+    """DeepSpeed casts a model to the training dtype only where it partitions the model itself; after a load that
+    partitioned the base (``zero.Init``), the parameters added since (LoRA adapters, fp32 from peft) are cast here,
+    as they are in every other engine."""
+    dtype = torch.bfloat16 if ds_config.get("bf16", {}).get("enabled") else None
+    dtype = torch.float16 if ds_config.get("fp16", {}).get("enabled") else dtype
+    for param in model.parameters():
+        if dtype is not None and not hasattr(param, "ds_id") and param.is_floating_point():
+            param.data = param.data.to(dtype)
 
 
 def stage3_gradient_factor(optimizer: Any, param: Any, size: int) -> float:

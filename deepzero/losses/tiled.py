@@ -46,20 +46,21 @@ class TiledLoss:
         """Rows of each tile for a micro-batch with ``targets`` real targets."""
         return max(1, math.ceil(targets / max(self.tiles_per_vocab, 1)), min(targets, self.min_tile_rows))
 
-    def working_bytes(self, tokens: int, vocab: int, hidden: int, element_bytes: int) -> int:
+    def working_bytes(self, tokens: int, vocab: int, hidden: int, element_bytes: int, head_trains: bool = True) -> int:
         """Peak bytes of the loss's working set over the LM head for a micro-batch of ``tokens`` targets, in a run
         whose values are ``element_bytes`` wide (2: bf16/fp16, 4: fp32) — what the planner counts (one formula, next
         to the code it describes). Per logit value of one tile: the 16-bit logits and their fp32 copy, the fp32
         softmax gradient and its scaled 16-bit cast (14; fp32: 12); the fp32 weight-gradient accumulator ``[V × H]``
         and, in 16-bit, either one vocabulary block's product and its fp32 copy (:func:`vocab_block`) or the final
         cast to the weight's dtype, whichever is larger; the per-token fp32 log-sum-exp and the hidden-state
-        gradient. Untiled (``enabled`` False): the same 14 (12) per value of the whole ``[tokens × vocab]``."""
+        gradient. A frozen head (``head_trains`` False: LoRA) has no weight gradient, so no accumulator and no block.
+        Untiled (``enabled`` False): the same 14 (12) per value of the whole ``[tokens × vocab]``."""
         per_value = 14 if element_bytes == 2 else 12
         if not self.enabled:
             return per_value * tokens * vocab
         rows = self.tile_rows(tokens)
-        accumulator = 4 * vocab * hidden
-        if element_bytes == 2:
+        accumulator = 4 * vocab * hidden if head_trains else 0
+        if element_bytes == 2 and head_trains:
             accumulator += max(2 * vocab * hidden, 6 * vocab_block(rows, vocab, hidden) * hidden)
         return per_value * rows * vocab + accumulator + 4 * tokens + element_bytes * tokens * hidden
 
@@ -114,7 +115,9 @@ class _TiledCrossEntropy(torch.autograd.Function):
         hidden, weight, targets, lse = ctx.saved_tensors
         scale = grad.float()
         grad_hidden = torch.empty_like(hidden) if ctx.needs_input_grad[0] else None
-        grad_weight = torch.zeros(weight.shape, dtype=torch.float32, device=weight.device)
+        grad_weight = None  # a frozen LM head (LoRA): no [V × H] accumulator and no weight products
+        if ctx.needs_input_grad[1]:
+            grad_weight = torch.zeros(weight.shape, dtype=torch.float32, device=weight.device)
         for start in range(0, hidden.shape[0], ctx.tile):
             rows = slice(start, start + ctx.tile)
             logits = (hidden[rows] @ weight.t()).float()
@@ -123,6 +126,8 @@ class _TiledCrossEntropy(torch.autograd.Function):
             dlogits = (dlogits * scale[rows, None]).to(hidden.dtype)
             if grad_hidden is not None:
                 grad_hidden[rows] = dlogits @ weight
+            if grad_weight is None:
+                continue
             if grad_weight.dtype == dlogits.dtype:
                 grad_weight.addmm_(dlogits.t(), hidden[rows])  # in place: no [V × H] temporary per tile
                 continue
@@ -130,7 +135,7 @@ class _TiledCrossEntropy(torch.autograd.Function):
             for first in range(0, weight.shape[0], block):  # 16-bit products upcast block by block, not [V × H]
                 vocab = slice(first, first + block)
                 grad_weight[vocab] += (dlogits[:, vocab].t() @ hidden[rows]).float()
-        grad_weight = grad_weight.to(weight.dtype) if ctx.needs_input_grad[1] else None
+        grad_weight = grad_weight.to(weight.dtype) if grad_weight is not None else None
         return grad_hidden, grad_weight, None, None, None
 
 

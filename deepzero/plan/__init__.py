@@ -52,6 +52,7 @@ _EXPORTS: dict[str, tuple[str, ...]] = {
         "RankStates",
         "Share",
         "estimate",
+        "four_bit_base_bytes",
         "four_bit_load_bytes",
         "gib",
         "host_bytes",

@@ -142,4 +142,5 @@ def logits_bytes(stats: ModelStats, setup: Setup) -> int:
     gradient and the 16-bit run's vocabulary blocks, the per-token log-sum-exp and the hidden-state gradient)."""
     a = stats.arch
     loss = TiledLoss(bool(setup.savers.loss_tiles), setup.savers.loss_tiles)
-    return loss.working_bytes(setup.tokens, a.vocab, a.hidden, setup.bytes_per_value)
+    head_trains = not setup.lora_rank  # a LoRA run's LM head is frozen: no weight gradient
+    return loss.working_bytes(setup.tokens, a.vocab, a.hidden, setup.bytes_per_value, head_trains)

@@ -139,6 +139,7 @@ def _advice(stats: ModelStats, setup: Setup, gpu_mem: float, cpu_mem: float | No
         pretrained=setup.pretrained,
         savers=setup.savers,
         min_micro=rows_per_sample,
+        four_bit=setup.four_bit,
     )
     if rec is None:
         return "no ds_configs preset fits: use LoRA, a smaller model, shorter sequences or more cards."

@@ -115,8 +115,9 @@ class Estimate:
     where: str = "every rank"
     """The busiest holder these bytes are for: every rank (ZeRO), a pipeline stage, a card of the layer split."""
     load: int = 0
-    """Bytes on the card while the model loads, before the engine holds its states: a 4-bit base whole on every
-    card (``four_bit_load_bytes``); 0 where loading never holds more than the states."""
+    """Bytes on the card while the model loads, before the engine holds its states: a 4-bit base, whole on every
+    card under ZeRO-0/1/2, partitioned under ZeRO-3 (``four_bit_load_bytes``); 0 where loading never holds more
+    than the states."""
     generation: int = 0
     """GRPO: what generating one group adds to the states (``plan.generation.generation_bytes``); 0 without it."""
 
@@ -205,13 +206,25 @@ def _quant_state_bytes(stats: ModelStats) -> int:
     return sum(map(quant.quant_state_bytes, stats.four_bit_numels()))
 
 
-def four_bit_load_bytes(stats: ModelStats, setup: Setup) -> int:
-    """Bytes on each card once a 4-bit base has loaded and its adapters are added, before ``deepspeed.initialize``:
-    the whole base on every rank (no ``zero.Init`` for a quantised load), its NF4 codes and their constants, its
-    other weights in the training dtype (``quant.prepare`` keeps them so), the adapters in fp32 (peft's default)."""
+def four_bit_base_bytes(stats: ModelStats, setup: Setup) -> int:
+    """Bytes of a whole 4-bit base once loaded, with its adapters: the NF4 codes and their constants, the other
+    weights in the training dtype (``quant.prepare`` keeps them so), the adapters in fp32 (peft's default)."""
     codes = sum(map(quant.packed_bytes, stats.four_bit_numels())) + _quant_state_bytes(stats)
     floats = setup.bytes_per_value * sum(stats.float_numels(True))
     return codes + floats + 4 * sum(stats.lora_numels(setup.lora_rank))
+
+
+def four_bit_load_bytes(stats: ModelStats, setup: Setup) -> int:
+    """Bytes on each card while a 4-bit base loads, before ``deepspeed.initialize``. ZeRO-0/1/2: the whole base on
+    every card (Transformers' 4-bit loader has no ``zero.Init``). ZeRO-3 (``deepzero.partitioned_load``): this rank's
+    partition of the base, the constants and adapters whole, and one whole tensor on its way to being partitioned."""
+    if setup.stage != 3:
+        return four_bit_base_bytes(stats, setup)
+    p = setup.bytes_per_value
+    weights = sum(map(quant.packed_bytes, stats.four_bit_numels())) + p * sum(stats.float_numels(True))
+    largest = max([*map(quant.packed_bytes, stats.four_bit_numels()), *(p * n for n in stats.float_numels(True))])
+    adapters = 4 * sum(stats.lora_numels(setup.lora_rank))
+    return -(-weights // setup.world_size) + _quant_state_bytes(stats) + adapters + largest
 
 
 def _states(stats: ModelStats, setup: Setup, share: Share) -> tuple[int, int, int, int, int, RankStates]:
@@ -256,7 +269,8 @@ def _states(stats: ModelStats, setup: Setup, share: Share) -> tuple[int, int, in
 def host_bytes(stats: ModelStats, setup: Setup, rs: RankStates) -> tuple[int, int, int]:
     """(host RAM of the machine, offloaded states, transient load bytes): pretrained weights load in the training
     dtype, a random-init model is built in fp32; every process builds the whole model in host RAM except under
-    ZeRO-3 and for a 4-bit base (each tensor straight to the card)."""
+    ZeRO-3 and for a 4-bit base (each tensor straight to the card; under ZeRO-3 one rank at a time holds the whole
+    4-bit base: ``deepzero.partitioned_load``)."""
     p, n = setup.bytes_per_value, setup.world_size
     procs = 1 if isinstance(setup.layout, LayerSplitLayout) else n
     host_states = 0
@@ -269,6 +283,8 @@ def host_bytes(stats: ModelStats, setup: Setup, rs: RankStates) -> tuple[int, in
     # ZeRO-3 partitions module by module while loading; a 4-bit load puts each tensor on the card as it reads it
     streamed = setup.layout is None and (setup.stage == 3 or setup.four_bit)
     load = procs * load_bytes * (stats.largest_module if streamed else stats.total)
+    if setup.four_bit and setup.stage == 3:  # the ranks take turns: one whole 4-bit base in host RAM at a time,
+        load = four_bit_base_bytes(stats, setup) + p * max(stats.param_numels)  # plus the 16-bit tensor it quantises
     return procs * HOST_PER_RANK + max(load, host_states), host_states, load
 
 

@@ -82,19 +82,23 @@ def recommend(
     four_bit: bool = False,
 ) -> Recommendation | None:
     """First preset (fastest first) that fits at micro-batch ``min_micro`` (a preference pair: 2 sequences),
-    preferring no activation checkpointing; ``savers`` None = train.py's defaults (the tiled loss); ``four_bit``:
-    LoRA on a 4-bit base (QLoRA), which no parameter-offload preset takes."""
-    savers = SaverTerms.choose(stats.arch) if savers is None else savers
-    for name in presets:
-        ds = load_preset(name)
-        if four_bit and offloads(ds.get("zero_optimization", {}), "offload_param"):  # refused, as quant.choose does
-            continue
-        for ckpt in (False, True):
-            setup = _micro1_setup(ds, stats, world_size, seq_len, ckpt, lora_rank, pretrained, savers, four_bit)
-            mb = max_micro_batch(stats, setup, gpu_mem, cpu_mem) // min_micro * min_micro
-            if mb:
-                setup = replace(setup, micro_batch=mb)
-                return Recommendation(name, setup, mb, estimate(stats, setup))
+    preferring no activation checkpointing; ``savers`` None = train.py's defaults (the tiled loss), and where no
+    preset fits with them, the checkpointed activations offloaded to host RAM (``--activation-offload``) as a last
+    resort; ``four_bit``: LoRA on a 4-bit base (QLoRA), which no parameter-offload preset takes."""
+    tries = [(savers, (False, True))]
+    if savers is None:
+        tries = [(SaverTerms.choose(stats.arch), (False, True)), (SaverTerms.choose(stats.arch, offload=True), (True,))]
+    for terms, checkpointing in tries:
+        for name in presets:
+            ds = load_preset(name)
+            if four_bit and offloads(ds.get("zero_optimization", {}), "offload_param"):  # refused, as quant.choose
+                continue
+            for ckpt in checkpointing:
+                setup = _micro1_setup(ds, stats, world_size, seq_len, ckpt, lora_rank, pretrained, terms, four_bit)
+                mb = max_micro_batch(stats, setup, gpu_mem, cpu_mem) // min_micro * min_micro
+                if mb:
+                    setup = replace(setup, micro_batch=mb)
+                    return Recommendation(name, setup, mb, estimate(stats, setup))
     return None
 
 

@@ -153,7 +153,8 @@ class Setup:
     four_bit: bool = False
     """The frozen base in 4 bits under the LoRA adapters (``--load-in-4bit``, ``deepzero.quant``): every weight
     ``ModelStats.four_bit_mask`` marks as NF4 codes plus its quantisation constants, the rest in the training dtype;
-    loaded whole on every card before the engine partitions it (Transformers' 4-bit loader has no ``zero.Init``)."""
+    loaded whole on every card under ZeRO-0/1/2, and in host RAM one rank at a time under ZeRO-3, each card keeping
+    its partition (``deepzero.partitioned_load``)."""
 
     @property
     def tokens(self) -> int:

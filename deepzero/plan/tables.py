@@ -212,8 +212,9 @@ def render(stats: ModelStats, world_size: int, gpu_mem_gb: float, cpu_mem_gb: fl
         quantised = sum(stats.four_bit_numels())
         lines.append(
             f"QLoRA quantises {_count(quantised)} of the {_count(stats.total)} parameters (every nn.Linear but the"
-            " LM head; routers and fused routed experts stay 16-bit) and loads the whole 4-bit base on every card"
-            " before ZeRO partitions it (GPU counts that load where it is the peak)."
+            " LM head; routers and fused routed experts stay 16-bit). ZeRO-2 loads the whole 4-bit base on every"
+            " card; under ZeRO-3 the ranks load it in host RAM one at a time and each card keeps its partition"
+            " (GPU and host count that load where it is the peak)."
         )
     return "\n".join(lines)
 
@@ -223,6 +224,7 @@ def _recommendation_line(what: str, rec: Recommendation | None, gpu_mem_gb: floa
         unit = " at one pair per micro-batch" if pair_rows > 1 else ""
         return f"Recommended for {what}: nothing fits{unit}, not even ZeRO-3 with parameter and optimizer offload."
     ckpt = "on" if rec.setup.checkpointing else "off"
+    ckpt += " (offloaded to host RAM: --activation-offload)" if rec.setup.savers.offload else ""
     alt = " (or zero2 for fp16)" if rec.preset == "zero2_bf16" else ""
     pairs = rec.micro_batch // pair_rows
     micro = f"{pairs} pair{'s' * (pairs != 1)}" if pair_rows > 1 else str(rec.micro_batch)
@@ -237,6 +239,7 @@ def _fit_cell(rec: Recommendation | None, full: bool) -> str:
     if rec is None:
         return "does not fit"
     ckpt = " + checkpointing" if rec.setup.checkpointing else ""
+    ckpt += " (offloaded)" if rec.setup.savers.offload else ""
     where = f"{gib(rec.estimate.gpu_total)} GiB/card, host {gib(rec.estimate.host)} GiB" if full else ""
     return f"`{rec.preset}`{ckpt}, micro {rec.micro_batch}" + (f" ({where})" if where else "")
 
