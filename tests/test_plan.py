@@ -506,19 +506,6 @@ def test_max_micro_batch_is_the_largest_that_fits(coder: plan.ModelStats) -> Non
 # ------------------------------------------------------------- measured: a real 3-rank DeepSpeed engine
 
 
-def qwen2_base(folder: Path) -> Path:
-    """A tiny Qwen2 (GQA, q/k/v biases, untied head) saved in bf16: the 16-bit base a QLoRA run quantises."""
-    from transformers import Qwen2Config, Qwen2ForCausalLM
-
-    torch.manual_seed(0)
-    config = Qwen2Config(
-        vocab_size=512, hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
-        num_key_value_heads=2, max_position_embeddings=256, tie_word_embeddings=False,
-    )  # fmt: skip
-    Qwen2ForCausalLM(config).to(torch.bfloat16).save_pretrained(folder)
-    return folder
-
-
 @pytest.mark.launcher
 @pytest.mark.parametrize("stage", [2, 3])
 def test_predicted_bytes_equal_what_deepspeed_holds(
@@ -527,10 +514,11 @@ def test_predicted_bytes_equal_what_deepspeed_holds(
     """Full fine-tuning of tiny-deepseek-v3 (every state), then train.py's own QLoRA engine in the same launch:
     the 4-bit base's parameter bytes per rank (NF4 codes, their QuantState, the other weights, the adapters)."""
     from helpers.zero_bytes import qlora_argv
+    from test_qlora import pretrained
 
     from deepzero.run import plan_run
 
-    out, base = tmp_path / f"zero{stage}.json", qwen2_base(tmp_path / "qwen2")
+    out, base = tmp_path / f"zero{stage}.json", pretrained(tmp_path / "qwen2", "zero3")  # a tiny Qwen2
     env = cpu_env(PYTHONPATH=str(REPO))
     qlora = ["--qlora-base", str(base), "--qlora-data", str(tiny_data)]
     launch(

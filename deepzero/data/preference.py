@@ -31,17 +31,18 @@ import torch
 from torch.utils.data import default_collate
 from transformers import PreTrainedTokenizerBase
 
-from deepzero.data.dataset import MASK_START, MASK_TARGET, META_FILE, PackedDataset, meta_header
+from deepzero.data.dataset import MASK_START, MASK_TARGET, PackedDataset, meta_header
 from deepzero.data.sources import Chat, input_files, iter_records
 from deepzero.data.tokenizer import train_tokenizer_from_texts
 from deepzero.data.writer import (
     BadInput,
     Layout,
+    Provenance,
     ShardWriter,
     check_rows,
     check_tokenizer,
     doc_prefix,
-    publish,
+    publish_with_meta,
     remove_stale_temps,
     split_of,
     tokenizer_ref,
@@ -276,18 +277,9 @@ def prepare_pairs(
             "shards": shards,
             "mask_bits": {"target": MASK_TARGET, "doc_start": MASK_START},
             "rows": "pair i = rows 2i (chosen) and 2i + 1 (rejected), each right-padded",
-            "skipped": {"count": bad.count, "first": bad.listed},
-            "tokenizer": tok_ref,
-            "inputs": list(inputs),
-            "val_inputs": list(val_inputs),
-            "columns": dict(columns or {}),
-            "val_fraction": val_fraction,
-            "seed": seed,
-            "fingerprint": fingerprint,
-            "seconds": round(time.perf_counter() - start, 2),
+            **Provenance(tok_ref, inputs, val_inputs, columns, val_fraction, seed, fingerprint, start).meta(bad),
         }
-        (tmp / META_FILE).write_text(json.dumps(meta, indent=2) + "\n")
-        publish(tmp, out)
+        publish_with_meta(tmp, out, meta)
     finally:
         shutil.rmtree(tmp, ignore_errors=True)
     print(

@@ -71,15 +71,14 @@ from deepzero.data.sources import (
 )
 from deepzero.data.tokenizer import train_tokenizer_from_texts
 from deepzero.data.writer import (
-    SPLIT_GIVEN,
-    SPLIT_HASHED,
     BadInput,
     Layout,
+    Provenance,
     ShardWriter,
     check_rows,
     check_tokenizer,
     doc_prefix,
-    publish,
+    publish_with_meta,
     remove_stale_temps,
     split_of,
     tokenizer_ref,
@@ -213,23 +212,13 @@ def prepare(
             "n_dropped": {s: v.n_dropped for s, v in stats.items()},
             "shards": {s: v.shards for s, v in stats.items()},
             "mask_bits": {"target": MASK_TARGET, "doc_start": MASK_START} if chat else None,
-            "skipped": {"count": bad.count, "first": bad.listed},
-            "tokenizer": tok_ref,
-            "inputs": list(inputs),
-            "val_inputs": list(val_inputs),
-            "columns": dict(columns or {}),
+            **Provenance(tok_ref, inputs, val_inputs, columns, val_fraction, seed, fingerprint, start).meta(bad),
             "input_bytes": progress.n_bytes,
-            "val_fraction": val_fraction,
-            "split": SPLIT_GIVEN if val_inputs else SPLIT_HASHED,
-            "seed": seed,
             "shard_mb": shard_mb,
-            "fingerprint": fingerprint,
-            "seconds": round(time.perf_counter() - start, 2),
             "stream_seconds": round(progress.seconds, 2),
             "stream_cpu_seconds": round(progress.cpu_seconds, 2),
         }
-        (tmp / META_FILE).write_text(json.dumps(meta, indent=2) + "\n")
-        publish(tmp, out)
+        publish_with_meta(tmp, out, meta)
     finally:
         shutil.rmtree(tmp, ignore_errors=True)
     print(_summary(meta, out, progress, workers))

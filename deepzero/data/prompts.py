@@ -33,19 +33,18 @@ import numpy as np
 import torch
 from transformers import PreTrainedTokenizerBase
 
-from deepzero.data.dataset import META_FILE, PackedDataset, meta_header
+from deepzero.data.dataset import PackedDataset, meta_header
 from deepzero.data.preference import PairEncoder
 from deepzero.data.sources import Chat, iter_records
 from deepzero.data.tokenizer import train_tokenizer_from_texts
 from deepzero.data.writer import (
-    SPLIT_GIVEN,
-    SPLIT_HASHED,
     BadInput,
     Layout,
+    Provenance,
     ShardWriter,
     check_rows,
     doc_prefix,
-    publish,
+    publish_with_meta,
     remove_stale_temps,
     split_of,
     tokenizer_ref,
@@ -245,20 +244,10 @@ def prepare_prompts(
             "rows": f"one prompt per row of max_prompt_len tokens, right-padded with pad_id; its record in"
             f" {records_file('SPLIT')} (line i = row i)",
             "record_fields": sorted(fields),
-            "columns": dict(columns or {}),
-            "skipped": {"count": bad.count, "first": bad.listed},
-            "tokenizer": tok_ref,
-            "inputs": list(inputs),
-            "val_inputs": list(val_inputs),
-            "val_fraction": val_fraction,
-            "split": SPLIT_GIVEN if val_inputs else SPLIT_HASHED,
-            "seed": seed,
+            **Provenance(tok_ref, inputs, val_inputs, columns, val_fraction, seed, fingerprint, start).meta(bad),
             "shard_mb": shard_mb,
-            "fingerprint": fingerprint,
-            "seconds": round(time.perf_counter() - start, 2),
         }
-        (tmp / META_FILE).write_text(json.dumps(meta, indent=2) + "\n")
-        publish(tmp, out)
+        publish_with_meta(tmp, out, meta)
     finally:
         for fh in records.values():
             fh.close()

@@ -9,6 +9,8 @@ import hashlib
 import json
 import os
 import shutil
+import time
+from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, BinaryIO
@@ -16,7 +18,7 @@ from typing import Any, BinaryIO
 import numpy as np
 from transformers import PreTrainedTokenizerBase
 
-from deepzero.data.dataset import shard_files, shard_name
+from deepzero.data.dataset import META_FILE, shard_files, shard_name
 from deepzero.data.sources import Chat
 from deepzero.errors import UserError
 
@@ -165,6 +167,43 @@ def check_rows(n_rows: int, split: str, row_len: int, fix: str | None = None) ->
             f"holds less than one row of {row_len} tokens",
             fix or "add data, raise --val-fraction (for val), or lower --seq-len",
         )
+
+
+@dataclass(frozen=True)
+class Provenance:
+    """What every prepared folder's meta.json records about where its rows came from and how they were split."""
+
+    tokenizer: str
+    inputs: Sequence[str]
+    val_inputs: Sequence[str]
+    columns: dict[str, str] | None
+    val_fraction: float
+    seed: int
+    fingerprint: str
+    started: float
+    """``time.perf_counter()`` when the preparation began."""
+
+    def meta(self, bad: BadInput) -> dict[str, Any]:
+        """meta.json's provenance keys: the skipped records, the tokenizer, the inputs and the split, the
+        fingerprint an up-to-date check compares, and the seconds the preparation took."""
+        return {
+            "skipped": {"count": bad.count, "first": bad.listed},
+            "tokenizer": self.tokenizer,
+            "inputs": list(self.inputs),
+            "val_inputs": list(self.val_inputs),
+            "columns": dict(self.columns or {}),
+            "val_fraction": self.val_fraction,
+            "split": SPLIT_GIVEN if self.val_inputs else SPLIT_HASHED,
+            "seed": self.seed,
+            "fingerprint": self.fingerprint,
+            "seconds": round(time.perf_counter() - self.started, 2),
+        }
+
+
+def publish_with_meta(tmp: Path, out: Path, meta: dict[str, Any]) -> None:
+    """Write ``meta`` as the temp folder's meta.json, then swap the folder into place (:func:`publish`)."""
+    (tmp / META_FILE).write_text(json.dumps(meta, indent=2) + "\n")
+    publish(tmp, out)
 
 
 def publish(tmp: Path, out: Path) -> None:
