@@ -268,6 +268,7 @@ def report(args: argparse.Namespace) -> dict[str, Any]:
         "cases": cases,
         "missing": [n for n in ("dense-1.3b", "moe-v2-lite-8l") if n not in cases],
         "experts_impl": parts.get("experts_impl-gpu"),
+        "train_py": parts.get("train_py"),
     }
     dense = cases.get("dense-1.3b")
     if dense and dense.get("mfu_datasheet") is not None:
@@ -316,7 +317,30 @@ def markdown(result: dict[str, Any]) -> str:
                 + (f"; {skipped}" if skipped else "")
                 + ".",
             ]
+    lines += train_py_lines(result.get("train_py"))
     return "\n".join(lines) + "\n"
+
+
+def train_py_lines(part: dict[str, Any] | None) -> list[str]:
+    """train.py's own jobs (bench.gpu_train): measured peak against the planner's, tokens/s, the loss."""
+    if not part:
+        return []
+    lines = [
+        "",
+        "train.py on this card (bench/gpu_train.py, R1-Distill-Qwen-1.5B architecture, random bf16 weights):",
+        "",
+        "| job | exit | steps | tokens/s | loss first → last | peak GiB measured | planned | flags |",
+        "|---|---|---|---|---|---|---|---|",
+    ]
+    for name, j in part["jobs"].items():
+        speed = f"{j['tokens_per_s']:,.0f}" if j["tokens_per_s"] else "n/a"
+        loss = " → ".join(f"{v:.3f}" for v in j["loss_first_last"]) if j["loss_first_last"] else "n/a"
+        peak = f"{j['peak_mem_gib']:.2f} ({j['memory_kind']})" if j["peak_mem_gib"] else "n/a"
+        planned = f"{j['planned_gib']:.2f}" if j["planned_gib"] else "n/a"
+        flags = " ".join(j["flags"][6:])
+        status = "ran past its limit" if j["exit"] is None else j["exit"]
+        lines.append(f"| {name} | {status} | {j['steps']} | {speed} | {loss} | {peak} | {planned} | `{flags}` |")
+    return lines
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
