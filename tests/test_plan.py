@@ -154,6 +154,9 @@ def test_qlora_fits_32b_and_70b_on_24gb_cards_and_v2_lite_gains_nothing() -> Non
             assert lora is None and qlora.setup.savers.offload and qlora.setup.checkpointing
             defaults = replace(qlora.setup, micro_batch=1, savers=plan.SaverTerms.choose(stats.arch))
             assert estimate(stats, defaults).gpu_total > gpu
+            # the CLI and train.py's start-of-run check pass the run's savers: the same last resort
+            savers = plan.SaverTerms.choose(stats.arch)
+            assert plan.recommend(stats, N, 2048, gpu, cpu, lora_rank=16, four_bit=True, savers=savers) == qlora
     v2 = model_stats(PRESETS["deepseek-v2-lite"].config(), "deepseek-v2-lite")
     assert sum(v2.four_bit_numels()) < 0.1 * v2.total and v2.routed_experts > 0.8 * v2.total
     lora = plan.recommend(v2, N, 2048, gpu, cpu, lora_rank=16)

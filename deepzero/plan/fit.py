@@ -144,5 +144,6 @@ def _advice(stats: ModelStats, setup: Setup, gpu_mem: float, cpu_mem: float | No
     if rec is None:
         return "no ds_configs preset fits: use LoRA, a smaller model, shorter sequences or more cards."
     ckpt = " with gradient checkpointing" if rec.setup.checkpointing else ""
+    ckpt += " and --activation-offload" if rec.setup.savers.offload and not setup.savers.offload else ""
     micro = _micro_text(rec.micro_batch, rows_per_sample)
     return f"try ds_configs/{rec.preset}.json{ckpt} at micro-batch {micro} (python -m deepzero.plan)."

@@ -82,12 +82,13 @@ def recommend(
     four_bit: bool = False,
 ) -> Recommendation | None:
     """First preset (fastest first) that fits at micro-batch ``min_micro`` (a preference pair: 2 sequences),
-    preferring no activation checkpointing; ``savers`` None = train.py's defaults (the tiled loss), and where no
-    preset fits with them, the checkpointed activations offloaded to host RAM (``--activation-offload``) as a last
+    preferring no activation checkpointing; ``savers`` None = train.py's defaults (the tiled loss). Where no preset
+    fits with ``savers``, the checkpointed activations offloaded to host RAM (``--activation-offload``) are the last
     resort; ``four_bit``: LoRA on a 4-bit base (QLoRA), which no parameter-offload preset takes."""
+    savers = SaverTerms.choose(stats.arch) if savers is None else savers
     tries = [(savers, (False, True))]
-    if savers is None:
-        tries = [(SaverTerms.choose(stats.arch), (False, True)), (SaverTerms.choose(stats.arch, offload=True), (True,))]
+    if not savers.offload:
+        tries.append((replace(savers, offload=True), (True,)))
     for terms, checkpointing in tries:
         for name in presets:
             ds = load_preset(name)
