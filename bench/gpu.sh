@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # One prepared GPU benchmark on one card (an H200 here when lent, or one RTX 4090), meant to take about 8 minutes
-# (never run yet; its step limits bound it at 16):
+# (never run yet; its step limits bound it at 18, more than one 10-minute device command: run it in two if needed):
 #   1. the bf16 matmul ceiling (8192², TFLOP/s),
 #   2. training MFU of a DeepSeek-Coder-1.3B-architecture dense model, ZeRO-2 bf16, 1 GPU, random init,
 #   3. training MFU of a DeepSeek-V2-Lite-shaped MoE cut to 8 layers (4.6B total / 1.1B active), same setup,
@@ -44,7 +44,8 @@ step 150 bench.gpu_bench train --case moe-v2-lite-8l --out "$PARTS"
 #    long-sequence savers on) that trains on this card capped at 24 GiB (a 4090's memory), beside the planner's bytes.
 step 150 bench.long_context gpu-longest --model deepseek-r1-distill-qwen-1.5b --layers 28 --vocab 151936 --cap-gib 24 --out "$PARTS"
 step 60 bench.experts_impl --sizes v2-lite-2l --seq-len 2048 --micro-batch 2 --iters 5 --tag gpu --results "$PARTS"
-# 6. train.py itself, a few steps per job, each with its own limit inside (100 + 120 + 100 s) after the base and data.
-step 360 bench.gpu_train --out "$PARTS"
+# 6. train.py itself, a few steps per job, each with its own limit inside (100 + 120 + 100 s) after the base and data
+#    (written to the part after each job, so a kill keeps what finished).
+step 480 bench.gpu_train --out "$PARTS"
 "$PY" -m bench.gpu_bench report --out "$PARTS" --results "$RESULTS"
 echo "bench/gpu.sh: done in $((SECONDS - start)) s; results in $RESULTS/gpu.md"

@@ -58,7 +58,9 @@ def make_base(folder: Path, tiny: bool) -> Path:
     config.vocab_size = max(config.vocab_size, len(tokenizer))
     config.eos_token_id, config.pad_token_id = tokenizer.eos_token_id, tokenizer.pad_token_id
     torch.manual_seed(0)
-    AutoModelForCausalLM.from_config(config, dtype=torch.bfloat16).save_pretrained(folder)
+    with torch.device("cuda" if torch.cuda.is_available() else "cpu"):  # init on the card: seconds, not a minute
+        model = AutoModelForCausalLM.from_config(config, dtype=torch.bfloat16)
+    model.save_pretrained(folder)
     tokenizer.save_pretrained(folder)
     return folder
 
@@ -148,17 +150,17 @@ def main(argv: list[str] | None = None) -> int:
     work.mkdir(parents=True, exist_ok=True)
     base = make_base(work / "base", args.tiny)
     data = make_data(work, base)
-    jobs = {}
+    jobs: dict[str, Any] = {}
+    folder = repo_path(args.out)
+    folder.mkdir(parents=True, exist_ok=True)
     for job in args.jobs:
         out = work / "runs" / job
         if out.exists():
             subprocess.run(["rm", "-rf", str(out)], check=True)
         jobs[job] = measure(job, flags(job, base, data[job], out), out)
         print(f"bench/gpu_train: {job}: {json.dumps({k: v for k, v in jobs[job].items() if k != 'flags'})}")
-    result = {"tiny": args.tiny, "jobs": jobs, "machine": machine()}
-    folder = repo_path(args.out)
-    folder.mkdir(parents=True, exist_ok=True)
-    (folder / "train_py.json").write_text(json.dumps(result, indent=2) + "\n")
+        result = {"tiny": args.tiny, "jobs": jobs, "machine": machine()}  # after each job: a kill keeps the rest
+        (folder / "train_py.json").write_text(json.dumps(result, indent=2) + "\n")
     return 0 if all(j["exit"] == 0 for j in jobs.values()) else 1
 
 

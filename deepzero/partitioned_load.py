@@ -15,7 +15,9 @@ quantiser, and the ranks compare fingerprints of what they loaded before trainin
 from __future__ import annotations
 
 import os
+import zlib
 from collections.abc import Callable
+from datetime import timedelta
 
 import deepspeed
 import torch
@@ -41,23 +43,37 @@ class _PartitionAlone(deepspeed.zero.Init):
         param.partition()
 
 
+TURN_TIMEOUT = timedelta(hours=3)
+"""How long a rank may wait for the others' turns: quantising a 70B base on the CPU takes minutes per rank, longer
+than the main group's collective timeout (DeepSpeed's default: 10 minutes)."""
+
+
 def load_partitioned(build_model: Callable[[], nn.Module], ds_config: dict) -> nn.Module:
     """``build_model()`` (a 4-bit base loaded on the host) on each rank of a machine in turn, partitioned for ZeRO-3
-    before the next rank starts. Every rank calls it (torchrun sets LOCAL_WORLD_SIZE, DeepSpeed's launcher LOCAL_SIZE;
-    without either, the whole world takes turns)."""
+    before the next rank starts; the loading rank uses every core of the machine. Every rank calls it (torchrun
+    sets LOCAL_WORLD_SIZE, DeepSpeed's launcher LOCAL_SIZE; without either, the whole world takes turns)."""
     local_rank = int(os.environ.get("LOCAL_RANK", "0"))
     local_size = int(os.environ.get("LOCAL_WORLD_SIZE") or os.environ.get("LOCAL_SIZE") or os.environ["WORLD_SIZE"])
     device = torch.device(get_accelerator().device_name(local_rank))
+    waits = dist.new_group(backend="gloo", timeout=TURN_TIMEOUT)  # the turns' barriers, on the host
+    turns = torch.tensor([local_size])
+    dist.all_reduce(turns, op=dist.ReduceOp.MAX, group=waits)  # machines with fewer ranks wait as often
     model, prints = None, None
-    for turn in range(local_size):
+    for turn in range(int(turns)):
         if turn == local_rank:
-            with modeling.zero3_init_off():  # Transformers refuses a device_map while zero.Init is on
-                model = build_model()
-            prints = fingerprint(model)
-            converter = _PartitionAlone(module=model, config_dict_or_path=ds_config)
-            converter.alone = False
-            move_the_rest(model, device)
-        dist.barrier()
+            threads = torch.get_num_threads()
+            torch.set_num_threads(os.cpu_count() or threads)  # the others only wait
+            try:
+                with modeling.zero3_init_off():  # Transformers refuses a device_map while zero.Init is on
+                    model = build_model()
+                prints = fingerprint(model)
+                converter = _PartitionAlone(module=model, config_dict_or_path=ds_config)
+                converter.alone = False
+                move_the_rest(model, device)
+            finally:
+                torch.set_num_threads(threads)
+        dist.barrier(group=waits)
+    dist.destroy_process_group(waits)
     assert model is not None and prints is not None
     check_same_everywhere(prints)
     return model
@@ -65,12 +81,14 @@ def load_partitioned(build_model: Callable[[], nn.Module], ds_config: dict) -> n
 
 @torch.no_grad()
 def fingerprint(model: nn.Module) -> list[int]:
-    """Per tensor of the state dict (4-bit codes and their constants included), the sum of its bytes."""
-    return [
-        int(t.detach().contiguous().view(-1).view(torch.uint8).sum(dtype=torch.int64))
-        for t in model.state_dict().values()
-        if isinstance(t, torch.Tensor)
-    ]
+    """Per parameter (the 4-bit codes and the 16-bit weights: what the ranks' partitions make up), the CRC-32 of
+    its bytes, read in place. The QuantStates are left out: each rank keeps its own whole, and their fp32 mean
+    (bitsandbytes' offset) depends on the thread count in its last bits."""
+    out = []
+    for param in model.parameters():
+        data = param.detach().contiguous().view(-1).view(torch.uint8)
+        out.append(zlib.crc32(data.numpy()))
+    return out
 
 
 def check_same_everywhere(prints: list[int]) -> None:

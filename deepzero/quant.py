@@ -46,6 +46,9 @@ BLOCK = 64
 DOUBLE_QUANT_BLOCK = 256
 """Absmax constants per second-level block under double quantisation (one fp32 constant each, the rest 8-bit)."""
 DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
+QUANTISE_BYTES = 16
+"""Host bytes per element that bitsandbytes' CPU quantiser (``backends/default/ops.py``, ``quantize_4bit``) holds at
+once for the weight it quantises: its fp32 copy, the scaled product and its clamp, the int32 buckets."""
 CONSTANT_BYTES = 4 * 16 + 4 * 256 + 4
 """Per 4-bit weight matrix, whatever its size: the NF4 code (16 fp32), the 8-bit dynamic code of its absmax
 constants (256 fp32) and their offset (one fp32), as bitsandbytes' ``QuantState`` holds them."""
@@ -124,6 +127,7 @@ def choose(
     stage: int,
     precision: str,
     offload_param: bool,
+    hierarchical: bool = False,
 ) -> FourBit | None:
     """The 4-bit base the run asked for, or one line saying why this run cannot have it."""
     if origin is None:
@@ -149,6 +153,12 @@ def choose(
             origin,
             "ZeRO-3 parameter offload of 4-bit weights is not supported here",
             "drop offload_param (the 4-bit base is small: ds_configs/zero3.json)",
+        )
+    if hierarchical and stage == 3:
+        raise UserError(
+            origin,
+            "ZeRO++'s hierarchical partitioning (zero_hpz_partition_size) of a 4-bit base is not supported here",
+            "drop zero_optimization.zero_hpz_partition_size",
         )
     four_bit = FourBit(precision, precision if stage == 3 else "uint8", origin, load_on_host=stage == 3)
     check_runnable(four_bit)

@@ -219,6 +219,7 @@ def plan_four_bit(
         stage=cfg.zero_stage,
         precision=cfg.precision,
         offload_param="param" in cfg.offload,
+        hierarchical=int(cfg.ds.get("zero_optimization", {}).get("zero_hpz_partition_size") or 1) > 1,
     )
 
 

@@ -127,7 +127,8 @@ def test_a_4bit_base_holds_its_linears_as_nf4_codes_and_the_rest_in_16_bits(code
     largest = 2 * coder.param_numels[0]  # the embedding, in 16 bits: the largest tensor moved whole to a card
     assert close(z3.load, (linears / 2 + 2 * floats) / N + constants + 4 * adapters + largest, 1e-6)
     assert z3.load < z2.load and z3.allocated >= z3.load
-    assert close(z3.host_load, whole + largest, 1e-6)  # one rank at a time holds the whole base in host RAM
+    quantising = (2 + quant.QUANTISE_BYTES) * 2048 * 5504  # an MLP weight read in 16 bits and being quantised
+    assert close(z3.host_load, whole - 4 * adapters + max(largest, quantising), 1e-6)  # one whole base at a time
     assert estimate(coder, Setup(stage=3, world_size=N, lora_rank=r)).load == 0
     with pytest.raises(UserError, match="a 4-bit base needs LoRA"):
         Setup(stage=2, world_size=N, four_bit=True)

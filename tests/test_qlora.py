@@ -46,6 +46,9 @@ TRAIN = [
 ]  # fmt: skip
 
 
+HPZ = ["--ds", "zero_optimization.zero_hpz_partition_size=3"]
+
+
 def pretrained(folder: Path, name: str = "zero2") -> Path:
     """A tiny random model saved in bf16 by save_pretrained: the '16-bit base' a 4-bit run quantises."""
     model_cls, config_cls, _ = RUNS[name]
@@ -69,6 +72,10 @@ def base16(tmp_path_factory: pytest.TempPathFactory) -> Path:
         (
             ["--lora", "r=8", "--load-in-4bit", "--deepspeed_config", "ds_configs/zero3_offload.json"],
             "parameter offload of 4-bit weights is not supported",
+        ),
+        (
+            [*["--lora", "r=8", "--load-in-4bit", "--deepspeed_config", "ds_configs/zero3.json"], *HPZ],
+            "hierarchical partitioning",
         ),
     ],
 )
@@ -101,7 +108,7 @@ def test_ranks_that_loaded_different_bases_stop_in_one_line(base16: Path, monkey
     bnb = quant.FourBit("fp32", "fp32").bnb_config()
     model = AutoModelForCausalLM.from_pretrained(base16, quantization_config=bnb, device_map={"": "cpu"})
     prints = partitioned_load.fingerprint(model)
-    assert len(prints) == len(model.state_dict()) and prints == partitioned_load.fingerprint(model)
+    assert len(prints) == len(list(model.parameters())) and prints == partitioned_load.fingerprint(model)
     other = list(prints)
     other[3] += 1
     monkeypatch.setattr(partitioned_load.dist, "get_world_size", lambda: 3)

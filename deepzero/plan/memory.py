@@ -206,12 +206,12 @@ def _quant_state_bytes(stats: ModelStats) -> int:
     return sum(map(quant.quant_state_bytes, stats.four_bit_numels()))
 
 
-def four_bit_base_bytes(stats: ModelStats, setup: Setup) -> int:
-    """Bytes of a whole 4-bit base once loaded, with its adapters: the NF4 codes and their constants, the other
-    weights in the training dtype (``quant.prepare`` keeps them so), the adapters in fp32 (peft's default)."""
+def four_bit_base_bytes(stats: ModelStats, setup: Setup, adapters: bool = True) -> int:
+    """Bytes of a whole 4-bit base once loaded: the NF4 codes and their constants, the other weights in the training
+    dtype (``quant.prepare`` keeps them so), and with ``adapters`` the adapters in fp32 (peft's default)."""
     codes = sum(map(quant.packed_bytes, stats.four_bit_numels())) + _quant_state_bytes(stats)
     floats = setup.bytes_per_value * sum(stats.float_numels(True))
-    return codes + floats + 4 * sum(stats.lora_numels(setup.lora_rank))
+    return codes + floats + (4 * sum(stats.lora_numels(setup.lora_rank)) if adapters else 0)
 
 
 def four_bit_load_bytes(stats: ModelStats, setup: Setup) -> int:
@@ -283,8 +283,12 @@ def host_bytes(stats: ModelStats, setup: Setup, rs: RankStates) -> tuple[int, in
     # ZeRO-3 partitions module by module while loading; a 4-bit load puts each tensor on the card as it reads it
     streamed = setup.layout is None and (setup.stage == 3 or setup.four_bit)
     load = procs * load_bytes * (stats.largest_module if streamed else stats.total)
-    if setup.four_bit and setup.stage == 3:  # the ranks take turns: one whole 4-bit base in host RAM at a time,
-        load = four_bit_base_bytes(stats, setup) + p * max(stats.param_numels)  # plus the 16-bit tensor it quantises
+    if setup.four_bit and setup.stage == 3:  # the ranks take turns: one whole 4-bit base in host RAM at a time (the
+        # adapters are made on the card), plus the 16-bit tensor being read and, for a quantised one, the quantiser's
+        reading = [p * n for n in stats.param_numels] + [
+            (p + quant.QUANTISE_BYTES) * n for n in stats.four_bit_numels()
+        ]
+        load = four_bit_base_bytes(stats, setup, adapters=False) + max(reading)
     return procs * HOST_PER_RANK + max(load, host_states), host_states, load
 
 
