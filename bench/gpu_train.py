@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import shutil
 import statistics
 import subprocess
 import sys
@@ -88,19 +89,17 @@ def flags(job: str, base: Path, data: Path, out: Path) -> list[str]:
 
 
 def planned_gib(argv: list[str]) -> float | None:
-    """The planner's ``Estimate.allocated`` (GiB) for these train.py flags on one rank."""
+    """The planner's ``Estimate.allocated`` (GiB) for these train.py flags on one rank: train.py's own start-of-run
+    plan (``plan.run_estimate``)."""
     from deepzero import plan
     from deepzero.args import parse_args
     from deepzero.run import plan_run
 
     try:
-        run_plan = plan_run(parse_args(argv), 1)
-        savers = plan.SaverTerms.of(run_plan.savers)
-        setup = plan.run_setup(
-            run_plan.config, run_plan.engine_settings, run_plan.cfg, run_plan.seq_len, 1, True, savers
-        )
-        stats = plan.model_stats(run_plan.config, "base", lora=run_plan.engine_settings.lora)
-        return plan.estimate(stats, setup).allocated / 2**30
+        run = plan_run(parse_args(argv), 1)
+        savers, rows = plan.SaverTerms.of(run.savers), run.train_data.rows_per_sample
+        _, est = plan.run_estimate(run.config, run.engine_settings, run.cfg, run.seq_len, 1, True, savers, rows)
+        return est.allocated / 2**30
     except Exception as err:  # the measurement stands without the prediction; say why
         print(f"bench/gpu_train: no plan for {argv[-1]} ({type(err).__name__}: {err})", file=sys.stderr)
         return None
@@ -155,8 +154,7 @@ def main(argv: list[str] | None = None) -> int:
     folder.mkdir(parents=True, exist_ok=True)
     for job in args.jobs:
         out = work / "runs" / job
-        if out.exists():
-            subprocess.run(["rm", "-rf", str(out)], check=True)
+        shutil.rmtree(out, ignore_errors=True)
         jobs[job] = measure(job, flags(job, base, data[job], out), out)
         print(f"bench/gpu_train: {job}: {json.dumps({k: v for k, v in jobs[job].items() if k != 'flags'})}")
         result = {"tiny": args.tiny, "jobs": jobs, "machine": machine()}  # after each job: a kill keeps the rest

@@ -160,9 +160,10 @@ def build_model(
 @torch.no_grad()
 def cast_parameters(model: torch.nn.Module, dtype: torch.dtype) -> None:
     """Cast the floating-point parameters to ``dtype``; buffers keep their dtype, as DeepSpeed (>= 0.19.2) does:
-    RoPE's ``inv_freq`` and V3's ``e_score_correction_bias`` stay fp32 (``model.to(bf16)`` would round them)."""
+    RoPE's ``inv_freq`` and V3's ``e_score_correction_bias`` stay fp32 (``model.to(bf16)`` would round them).
+    Parameters ZeRO-3 has partitioned (``ds_id``) are DeepSpeed's: their data is an empty placeholder."""
     for param in model.parameters():
-        if param.is_floating_point() and param.dtype != dtype:
+        if param.is_floating_point() and param.dtype != dtype and not hasattr(param, "ds_id"):
             param.data = param.data.to(dtype)
 
 

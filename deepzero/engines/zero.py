@@ -170,16 +170,14 @@ AVG_SCATTER = "_DeepSpeedZeroOptimizer_Stage3__avg_scatter_grads"
 """ZeRO-3's reduce-scatter of gradients (``__avg_scatter_grads``), which :func:`stage3_gradient_factor` probes."""
 
 
-@torch.no_grad()
 def cast_the_unpartitioned(model: nn.Module, ds_config: dict[str, Any]) -> None:
     """DeepSpeed casts a model to the training dtype only where it partitions the model itself; after a load that
     partitioned the base (``zero.Init``), the parameters added since (LoRA adapters, fp32 from peft) are cast here,
-    as they are in every other engine."""
-    dtype = torch.bfloat16 if ds_config.get("bf16", {}).get("enabled") else None
-    dtype = torch.float16 if ds_config.get("fp16", {}).get("enabled") else dtype
-    for param in model.parameters():
-        if dtype is not None and not hasattr(param, "ds_id") and param.is_floating_point():
-            param.data = param.data.to(dtype)
+    as they are in every other engine (``modeling.cast_parameters`` leaves the partitioned ones alone)."""
+    if ds_config.get("bf16", {}).get("enabled"):
+        modeling.cast_parameters(model, torch.bfloat16)
+    elif ds_config.get("fp16", {}).get("enabled"):
+        modeling.cast_parameters(model, torch.float16)
 
 
 def stage3_gradient_factor(optimizer: Any, param: Any, size: int) -> float:

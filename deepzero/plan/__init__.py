@@ -87,7 +87,7 @@ _EXPORTS: dict[str, tuple[str, ...]] = {
         "render_longest",
         "table_setups",
     ),
-    "fit": ("check_fit", "detected_cpu_mem_gb", "detected_gpu_mem_gb"),
+    "fit": ("check_fit", "detected_cpu_mem_gb", "detected_gpu_mem_gb", "run_estimate"),
     "cli": ("PAIR_ROWS", "main"),
 }
 _HOME = {name: module for module, names in _EXPORTS.items() for name in names}

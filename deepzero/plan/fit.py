@@ -68,19 +68,34 @@ def check_fit(
         cpu_mem_gb = detected_cpu_mem_gb()
     gpu_mem, cpu_mem = gpu_mem_gb * GiB, cpu_mem_gb * GiB if cpu_mem_gb else None
     try:
-        setup = run_setup(model_config, engine, cfg, seq_len, world_size, pretrained, savers)
-        setup = replace(setup, micro_batch=setup.micro_batch * rows_per_sample)
-        name = getattr(model_config, "name_or_path", "") or "model"
-        stats = model_stats(model_config, name, lora=getattr(engine, "lora", None))
+        stats, est = run_estimate(model_config, engine, cfg, seq_len, world_size, pretrained, savers, rows_per_sample)
     except UserError:
         return None  # e.g. a layer split over every GPU with none visible: the engine reports it itself
     except (ValueError, KeyError, AttributeError) as err:  # e.g. a remote-code architecture
         return f"memory plan skipped: cannot build {model_config.model_type} on the meta device ({err})"
-    est = estimate(stats, setup)
     if est.fits(gpu_mem, cpu_mem):
         return None
     shortfall = _shortfall(est, gpu_mem_gb, cpu_mem_gb, rows_per_sample)
-    return f"{shortfall}; {_advice(stats, setup, gpu_mem, cpu_mem, rows_per_sample)}"
+    return f"{shortfall}; {_advice(stats, est.setup, gpu_mem, cpu_mem, rows_per_sample)}"
+
+
+def run_estimate(
+    model_config: PretrainedConfig,
+    engine: EngineSettings,
+    cfg: ResolvedConfig,
+    seq_len: int,
+    world_size: int,
+    pretrained: bool,
+    savers: SaverTerms | None = None,
+    rows_per_sample: int = 1,
+) -> tuple[ModelStats, Estimate]:
+    """The model's stats and the estimate of what the engine will hold for this run (:func:`check_fit`'s plan;
+    bench/gpu_train.py sets it beside what a card measured). Raises what ``run_setup`` and ``model_stats`` raise."""
+    setup = run_setup(model_config, engine, cfg, seq_len, world_size, pretrained, savers)
+    setup = replace(setup, micro_batch=setup.micro_batch * rows_per_sample)
+    name = getattr(model_config, "name_or_path", "") or "model"
+    stats = model_stats(model_config, name, lora=getattr(engine, "lora", None))
+    return stats, estimate(stats, setup)
 
 
 def _micro_text(sequences: int, rows_per_sample: int) -> str:

@@ -206,12 +206,18 @@ def _quant_state_bytes(stats: ModelStats) -> int:
     return sum(map(quant.quant_state_bytes, stats.four_bit_numels()))
 
 
+def _four_bit_weight_bytes(stats: ModelStats, setup: Setup) -> tuple[int, ...]:
+    """Bytes of each parameter of a 4-bit base: the NF4 codes of the quantised weights, the other weights in the
+    training dtype (``quant.prepare`` keeps them so)."""
+    codes = map(quant.packed_bytes, stats.four_bit_numels())
+    return (*codes, *(setup.bytes_per_value * n for n in stats.float_numels(True)))
+
+
 def four_bit_base_bytes(stats: ModelStats, setup: Setup, adapters: bool = True) -> int:
-    """Bytes of a whole 4-bit base once loaded: the NF4 codes and their constants, the other weights in the training
-    dtype (``quant.prepare`` keeps them so), and with ``adapters`` the adapters in fp32 (peft's default)."""
-    codes = sum(map(quant.packed_bytes, stats.four_bit_numels())) + _quant_state_bytes(stats)
-    floats = setup.bytes_per_value * sum(stats.float_numels(True))
-    return codes + floats + (4 * sum(stats.lora_numels(setup.lora_rank)) if adapters else 0)
+    """Bytes of a whole 4-bit base once loaded: its parameters (:func:`_four_bit_weight_bytes`), the codes'
+    constants, and with ``adapters`` the adapters in fp32 (peft's default)."""
+    weights = sum(_four_bit_weight_bytes(stats, setup)) + _quant_state_bytes(stats)
+    return weights + (4 * sum(stats.lora_numels(setup.lora_rank)) if adapters else 0)
 
 
 def four_bit_load_bytes(stats: ModelStats, setup: Setup) -> int:
@@ -220,11 +226,9 @@ def four_bit_load_bytes(stats: ModelStats, setup: Setup) -> int:
     partition of the base, the constants and adapters whole, and one whole tensor on its way to being partitioned."""
     if setup.stage != 3:
         return four_bit_base_bytes(stats, setup)
-    p = setup.bytes_per_value
-    weights = sum(map(quant.packed_bytes, stats.four_bit_numels())) + p * sum(stats.float_numels(True))
-    largest = max([*map(quant.packed_bytes, stats.four_bit_numels()), *(p * n for n in stats.float_numels(True))])
+    weights = _four_bit_weight_bytes(stats, setup)
     adapters = 4 * sum(stats.lora_numels(setup.lora_rank))
-    return -(-weights // setup.world_size) + _quant_state_bytes(stats) + adapters + largest
+    return -(-sum(weights) // setup.world_size) + _quant_state_bytes(stats) + adapters + max(weights)
 
 
 def _states(stats: ModelStats, setup: Setup, share: Share) -> tuple[int, int, int, int, int, RankStates]:
