@@ -375,10 +375,13 @@ class Balancer:
         if not self.routers:
             return {}
         counts, loss = self.window_counts, torch.stack([self.loss_sum, self.loss_calls.float()])
-        if dist.is_initialized():
+        if dist.is_initialized():  # one all-reduce: the loads (unless summed each step already) with the losses
+            local = [loss.double()] if self.window_global else [counts.double(), loss.double()]
+            summed = torch.cat([t.reshape(-1) for t in local])
+            dist.all_reduce(summed, group=self.group)
             if not self.window_global:
-                dist.all_reduce(counts, group=self.group)
-            dist.all_reduce(loss, group=self.group)
+                counts = summed[: counts.numel()].reshape(counts.shape).to(counts.dtype)
+            loss = summed[-loss.numel() :].reshape(loss.shape).float()
         stats = load_stats(counts.cpu())
         if self.choice.uses_aux:
             stats["balance_loss"] = float((loss[0] / loss[1].clamp(min=1)).sum())

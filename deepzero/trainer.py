@@ -21,7 +21,7 @@ from tqdm.auto import tqdm
 from deepzero import checkpoint, quiet, report, universal
 from deepzero.args import parse_args
 from deepzero.data import GlobalBatchSampler, make_eval_loader, make_train_loader
-from deepzero.distributed import all_reduce_max, all_reduce_mean, exit_process
+from deepzero.distributed import all_reduce_max, exit_process, mean_and_max
 from deepzero.engines.base import Batch, to_device
 from deepzero.errors import UserError
 from deepzero.metrics import peak_memory_gb
@@ -122,19 +122,19 @@ def train_loop(run: Run, batches: Iterator[Batch]) -> None:
         step = run.state.step
         if step % args.log_interval == 0 or step == args.max_steps:
             elapsed = window.elapsed()
-            loss = all_reduce_mean(loss_sum / window.steps)
             peak_gb, kind = peak_memory_gb()
-            record = report.train_record(run, loss, window.steps, elapsed, (all_reduce_max(peak_gb), kind))
+            (loss,), (peak_gb, streak) = mean_and_max([(loss_sum / window.steps).item()], [peak_gb, bad_streak.item()])
+            record = report.train_record(run, loss, window.steps, elapsed, (peak_gb, kind))
             record.update(run.balancer.window_stats() if run.balancer is not None else {})
             bar.set_postfix(loss=f"{loss:.3f}", lr=f"{record['lr']:.2e}", tok_s=f"{record['tokens_per_s']:.0f}")
             report.log(run, record, bar)
-            check_finite(run, bad_streak)
+            check_finite(run, int(streak))
             loss_sum.zero_()
             window = Window(engine.synchronize)
         if run.val_data is not None and args.eval_interval and step % args.eval_interval == 0:
             with window.paused():
                 report.log(run, evaluate(run), bar)
-        if args.save_interval and step % args.save_interval == 0 and check_finite(run, bad_streak):
+        if args.save_interval and step % args.save_interval == 0 and check_finite(run, global_streak(bad_streak)):
             with window.paused():
                 save_if_finite(run)
         if stop.agreed():
@@ -177,9 +177,14 @@ class Preempted(Exception):
     """A signal asked the job to stop; a checkpoint was saved. Exit code 0: the scheduler may requeue it."""
 
 
-def check_finite(run: Run, bad_streak: torch.Tensor) -> bool:
-    """True when the last step's loss was finite; stop the run after ``max_nonfinite_steps`` bad steps in a row."""
-    streak = int(all_reduce_max(float(bad_streak.item())))
+def global_streak(bad_streak: torch.Tensor) -> int:
+    """The longest run of non-finite losses, up to the last step, over every rank."""
+    return int(all_reduce_max(float(bad_streak.item())))
+
+
+def check_finite(run: Run, streak: int) -> bool:
+    """True when the last step's loss was finite (``streak``: :func:`global_streak`); stop the run after
+    ``max_nonfinite_steps`` bad steps in a row."""
     if streak >= run.args.max_nonfinite_steps:
         raise UserError(
             f"step {run.state.step}",

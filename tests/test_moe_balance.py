@@ -15,7 +15,7 @@ from conftest import prepare, records, run_bounded
 from transformers import AutoModelForCausalLM
 
 from deepzero import moe_balance
-from deepzero.distributed import free_port
+from deepzero.distributed import free_port, mean_and_max
 from deepzero.errors import UserError
 from deepzero.moe_balance import BalanceChoice, Balancer, balance_loss, choose, load_stats
 from deepzero.presets import PRESETS
@@ -308,7 +308,19 @@ def _rank_main(rank: int, world: int, port: int, out: str) -> None:
             first_bias = balancer.biases()
     gathered = [torch.zeros(2, 8) for _ in range(world)]
     dist.all_gather(gathered, balancer.biases())
-    torch.save({"biases": gathered, "first_counts": local_counts[0], "first_bias": first_bias}, f"{out}/{rank}.pt")
+    # Telemetry without the bias (aux loss on): a window's loads and losses, summed over the world at the log point.
+    aux_model = tiny("v3")
+    aux = Balancer(aux_model, BalanceChoice("aux", "deepseek_v3", aux_alpha=0.01), lambda: 1.0, "cpu")
+    for micro in range(2):
+        aux_model(**batch(100 * rank + micro))
+    window = {"counts": aux.step_counts.clone(), "loss_sum": aux.loss_sum.clone(), "calls": aux.loss_calls.clone()}
+    aux.after_step()
+    window["stats"] = aux.window_stats()
+    window["mean_and_max"] = mean_and_max([float(rank), 1.5], [float(rank) * 2, -float(rank)])
+    torch.save(
+        {"biases": gathered, "first_counts": local_counts[0], "first_bias": first_bias, "window": window},
+        f"{out}/{rank}.pt",
+    )
     dist.destroy_process_group()
 
 
@@ -326,6 +338,23 @@ def test_every_rank_keeps_the_same_bias_from_the_world_summed_loads(tmp_path: Pa
     assert torch.equal(results[0]["first_bias"], 0.001 * torch.sign(summed.mean(1, keepdim=True) - summed))
     alone = [torch.sign(c.mean(1, keepdim=True) - c) for c in local]  # what each rank would do on its own counts
     assert any(not torch.equal(a, alone[0]) for a in alone[1:])
+
+
+def test_a_log_points_telemetry_and_numbers_are_the_worlds(tmp_path: Path) -> None:
+    """Three gloo ranks: the window's loads and balance loss are those of every rank's summed (one all-reduce), and
+    ``mean_and_max`` gives each value's mean and largest over the ranks, the same on every rank."""
+    world = 3
+    mp.start_processes(_rank_main, args=(world, free_port(), str(tmp_path)), nprocs=world, start_method="spawn")
+    windows = [torch.load(tmp_path / f"{rank}.pt")["window"] for rank in range(world)]
+    counts = sum(w["counts"] for w in windows)
+    assert any(not torch.equal(w["counts"], windows[0]["counts"]) for w in windows[1:])  # the ranks saw other rows
+    expected = load_stats(counts)
+    per_layer = sum(w["loss_sum"].double() for w in windows) / sum(w["calls"].double() for w in windows)
+    for w in windows:
+        stats = dict(w["stats"])
+        assert stats.pop("balance_loss") == pytest.approx(float(per_layer.sum()), rel=1e-6)
+        assert stats == expected
+        assert w["mean_and_max"] == ([1.0, 1.5], [4.0, 0.0])
 
 
 # Through train.py (one process, fp32 ZeRO-2) on a tiny DeepSeek-V3 whose routers favour experts 0 and 1.
