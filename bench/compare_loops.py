@@ -37,6 +37,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+from bench.engine_clock import engine_seconds
 from bench.scaling import (
     launch,
     machine,
@@ -49,12 +50,8 @@ from bench.scaling import (
 )
 from deepzero.presets import PRESETS
 
-# loop -> (launch target, launched as a module)
-LOOPS: dict[str, tuple[str, bool]] = {
-    "train.py": ("train.py", False),
-    "bare": ("bench.bare_loop", True),
-    "hf_trainer": ("bench.hf_trainer_loop", True),
-}
+# loop -> what bench.engine_clock runs (a script from the repo root, or a module)
+LOOPS: dict[str, str] = {"train.py": "train.py", "bare": "bench.bare_loop", "hf_trainer": "bench.hf_trainer_loop"}
 MAX_VS_BARE = 1.03
 MAX_VS_HF = 1.00
 UNTILED = ("--tiled-loss", "off")
@@ -150,23 +147,40 @@ def run_dir(args: argparse.Namespace, variant: Variant, rep: int) -> Path:
 
 def run_once(args: argparse.Namespace, variant: Variant, model: str, rep: int) -> dict[str, Any]:
     """One launch of one variant: its per-window step times and their median."""
-    target, module = LOOPS[variant.loop]
     out = run_dir(args, variant, rep)
-    (out / "metrics.jsonl").unlink(missing_ok=True)
+    for old in [out / "metrics.jsonl", *out.glob("engine_clock.rank*.json")]:
+        old.unlink(missing_ok=True)
     quiet = wait_for_quiet(args.max_busy, args.max_wait)
-    wall = launch(target, loop_args(args, variant, model, out), args.ranks, out / "launcher.log", module=module)
+    loop = [LOOPS[variant.loop], *loop_args(args, variant, model, out)]
+    wall = launch("bench.engine_clock", loop, args.ranks, out / "launcher.log", module=True)
     (out / "launch.json").write_text(json.dumps({"wall_s": wall, **quiet}) + "\n")
     return read_run(out, rep, variant)
 
 
 def read_run(out: Path, rep: int, variant: Variant) -> dict[str, Any]:
-    """A finished launch's per-window step times, their median, and what was recorded about the launch."""
-    windows = window_step_times(train_records(out))
+    """A finished launch's per-window step times, their median, the split of its timed steps between the engine
+    and the loop's own time (bench.engine_clock), and what was recorded about the launch."""
+    records = train_records(out)
+    windows = window_step_times(records)
     median = statistics.median(windows)
+    split = engine_split(out, records)
     shown = ", ".join(f"{w:.3f}" for w in windows)
-    print(f"  rep {rep} {variant.name:<21} {median * 1e3:8.1f} ms/step  (windows {shown})")
+    own = f"; loop's own {split['loop_s'] * 1e3:.1f} ms/step" if split else ""
+    print(f"  rep {rep} {variant.name:<21} {median * 1e3:8.1f} ms/step{own}  (windows {shown})")
     launch_info = json.loads((out / "launch.json").read_text()) if (out / "launch.json").is_file() else {}
-    return {"rep": rep, "step_time_s": median, "windows_s": windows, "out": str(out), **launch_info}
+    return {"rep": rep, "step_time_s": median, "windows_s": windows, "out": str(out), **split, **launch_info}
+
+
+def engine_split(out: Path, records: list[dict[str, Any]]) -> dict[str, float]:
+    """Over the timed windows (after the first): mean seconds per step, the part spent inside DeepSpeed's forward,
+    backward and step (mean over ranks), and the rest, the loop's own time. Empty without a clock."""
+    start, end = records[0], records[-1]
+    steps = end["step"] - start["step"]
+    inside = engine_seconds(out, start["time"], end["time"])
+    if inside is None:
+        return {}
+    mean = (end["time"] - start["time"]) / steps
+    return {"mean_step_s": mean, "engine_s": inside / steps, "loop_s": mean - inside / steps}
 
 
 def finished(args: argparse.Namespace, variant: Variant, rep: int) -> bool:
@@ -219,6 +233,11 @@ def compare(runs: dict[str, list[dict[str, Any]]], c: Comparison) -> dict[str, A
         "best_window_ratio": best[c.num] / best[c.den],
         "target": c.target,
     }
+    own = {r["rep"]: r["loop_s"] for r in runs[c.den] if "loop_s" in r}
+    diffs = [r["loop_s"] - own[r["rep"]] for r in runs[c.num] if "loop_s" in r and r["rep"] in own]
+    if diffs:  # the loops' own time, numerator minus denominator, per repetition (engine work left out)
+        out["loop_diff_ms"] = [d * 1e3 for d in diffs]
+        out["loop_diff_median_ms"] = statistics.median(diffs) * 1e3
     if c.target is not None:
         out["pass"] = out["ratio_of_medians"] <= c.target
         out["every_rep"] = (
@@ -235,7 +254,9 @@ def summarize(runs: dict[str, list[dict[str, Any]]], tokens_per_step: int) -> di
             continue
         times = [r["step_time_s"] for r in reps]
         v = BY_NAME[name]
+        split = {k: statistics.median(r[k] for r in reps) for k in ("engine_s", "loop_s") if all(k in r for r in reps)}
         variants[name] = {
+            **split,
             "loop": v.loop,
             "case": v.case,
             "flags": list(v.flags),
@@ -267,23 +288,27 @@ def markdown(result: dict[str, Any]) -> str:
         f" over the global batch. Machine: {result['machine'].get('gpu') or 'CPU only'},"
         f" {result['machine']['cpu_count']} cores.",
         "",
-        "| variant | train.py flags | median s/step | min–max over reps | tokens/s | per-rep medians (s) |",
-        "|---|---|---|---|---|---|",
+        "| variant | train.py flags | median s/step | min–max over reps | tokens/s | per-rep medians (s)"
+        " | in the engine (s/step) | loop's own (ms/step) |",
+        "|---|---|---|---|---|---|---|---|",
     ]
     for name, v in s["variants"].items():
         reps = ", ".join(f"{r['step_time_s']:.3f}" for r in v["reps"])
         flags = f"`{' '.join(v['flags'])}`" if v["flags"] else ""
+        engine = f"{v['engine_s']:.3f}" if "engine_s" in v else "—"
+        own = f"{v['loop_s'] * 1e3:.1f}" if "loop_s" in v else "—"
         lines.append(
             f"| {name} | {flags} | {v['step_time_s']:.3f} | {v['min_s']:.3f}–{v['max_s']:.3f}"
-            f" | {v['tokens_per_s']:,.0f} | {reps} |"
+            f" | {v['tokens_per_s']:,.0f} | {reps} | {engine} | {own} |"
         )
     busy = [r.get("busy_cores_before") for v in s["variants"].values() for r in v["reps"]]
     if busy and None not in busy:
         lines += ["", f"Cores used by other processes just before each run: {min(busy):.1f}–{max(busy):.1f}."]
     lines += [
         "",
-        "| ratio (step time) | of medians | paired reps: median (min–max) | of best windows | target | result |",
-        "|---|---|---|---|---|---|",
+        "| ratio (step time) | of medians | paired reps: median (min–max) | of best windows | target | result"
+        " | loop's own time: difference, paired (ms/step) |",
+        "|---|---|---|---|---|---|---|",
     ]
     for c in s["comparisons"]:
         target, verdict = "cost", "—"
@@ -291,11 +316,24 @@ def markdown(result: dict[str, Any]) -> str:
             target = f"≤ {c['target']:.2f}"
             verdict = f"{'pass' if c['pass'] else 'FAIL'} (medians); every rep: {c['every_rep']}"
         spread = f"{min(c['paired']):.3f}–{max(c['paired']):.3f}"
+        own = "—"
+        if "loop_diff_ms" in c:
+            own = f"{c['loop_diff_median_ms']:+.1f} ({min(c['loop_diff_ms']):+.1f} to {max(c['loop_diff_ms']):+.1f})"
         lines.append(
             f"| {c['label']} | {c['ratio_of_medians']:.3f} | {c['paired_median']:.3f} ({spread})"
-            f" | {c['best_window_ratio']:.3f} | {target} | {verdict} |"
+            f" | {c['best_window_ratio']:.3f} | {target} | {verdict} | {own} |"
         )
+    lines += ["", LOOP_TIME_NOTE]
     return "\n".join(lines) + "\n"
+
+
+LOOP_TIME_NOTE = (
+    "In the engine: the host time every rank spent inside DeepSpeed's forward, backward and step over the timed"
+    " windows, per step, mean over ranks (bench/engine_clock.py); the loop's own time is the rest of the mean step:"
+    " drawing data, counting targets, bookkeeping, logging, and the waits at the loop's own collectives. The engine's"
+    " work is the same in every loop of a case, so the loops differ by their own time; the step time's spread over"
+    " repetitions comes from the engine's part (the machine), not from the loops."
+)
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
