@@ -5,8 +5,10 @@
 
 The ds_config is resolved by deepzero.dsconfig first (comments dropped, batch keys and every "auto" filled), and the
 ``TrainingArguments`` are set to the same values, because HF's own "auto" resolution (``fill_match``) raises on any
-mismatch between the two. The Trainer keeps its own defaults otherwise (its data loader with a distributed random
-sampler over the same rows, so batch shapes are identical; its NaN filter; its token averaging across ranks,
+mismatch between the two. The Trainer reads the rows train.py and the bare loop read, in their order (a data loader
+over train.py's ``GlobalBatchSampler``, one worker, as HF's own rank-aware batch samplers are given): on an MoE model
+other rows route other tokens to other experts, so a different order would be different work. It keeps its own
+defaults otherwise (its collator and loop; its NaN filter; its token averaging across ranks,
 ``average_tokens_across_devices``: each step's target count gathered from every rank, the same all-reduce train.py
 and the bare loop do): this is the loop a user of HF Trainer gets. Like the bare loop it runs no MoE balancing and
 computes the model's own (untiled) loss, so bench/compare_loops.py runs train.py with both off against it. A
@@ -25,8 +27,10 @@ from pathlib import Path
 from typing import Any
 
 import torch
+from torch.utils.data import DataLoader
 
 from bench.bare_loop import LoopArgs, build, parse_args, resolve_config, write_step_times
+from deepzero.data import GlobalBatchSampler
 from deepzero.distributed import exit_process, release_shm_buffers
 
 
@@ -109,8 +113,23 @@ def main(argv: list[str] | None = None) -> None:
     # TrainingArguments first: for ZeRO-3 its HfDeepSpeedConfig must exist before the model is built.
     training_args = training_arguments(args, cfg.ds, cfg.batch.micro, cfg.batch.accum)
     built = build(args, cfg)
+
+    class SameRowsTrainer(Trainer):
+        """HF Trainer reading train.py's rows in train.py's order (each rank its share of every global batch)."""
+
+        def get_train_dataloader(self) -> DataLoader:
+            b = cfg.batch
+            sampler = GlobalBatchSampler(len(built.train_data), b.micro, b.accum, rank, world, args.seed)
+            return DataLoader(
+                built.train_data,
+                batch_sampler=sampler,
+                collate_fn=self.data_collator,
+                num_workers=self.args.dataloader_num_workers,
+                pin_memory=self.args.dataloader_pin_memory,
+            )
+
     clock = StepClock()
-    trainer = Trainer(model=built.model, args=training_args, train_dataset=built.train_data, callbacks=[clock])
+    trainer = SameRowsTrainer(model=built.model, args=training_args, train_dataset=built.train_data, callbacks=[clock])
     trainer.train()
     release_shm_buffers()  # the group HF started made DeepSpeed's /dev/shm buffers; unlinked, they go at exit
     if rank == 0:
