@@ -331,8 +331,8 @@ LOOP_TIME_NOTE = (
     "In the engine: the host time every rank spent inside DeepSpeed's forward, backward and step over the timed"
     " windows, per step, mean over ranks (bench/engine_clock.py); the loop's own time is the rest of the mean step:"
     " drawing data, counting targets, bookkeeping, logging, and the waits at the loop's own collectives. The engine's"
-    " calls are the same in every loop of a case (HF Trainer draws its rows in its own order, so on the moe model its"
-    " routing, and the experts' work, differ), so the loops' own times compare the loops themselves."
+    " calls are the same in every loop of a case (the same rows in the same order: HF Trainer is given train.py's"
+    " sampler), so the loops' own times compare the loops themselves."
 )
 
 
