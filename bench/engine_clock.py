@@ -10,6 +10,9 @@ The first argument besides the launcher's ``--local_rank`` is the loop: a script
 module; the rest are its own. When the loop ends (every loop here ends through ``deepzero.distributed.exit_process``)
 each rank writes ``<--out>/engine_clock.rank<r>.json``: ``{"calls": [[start, end], ...]}`` in host time
 (``time.time()``, the clock of the loops' records). A call costs the clock two ``time.time()`` reads.
+
+For the ZeRO engines on the CPU: the pipeline engine steps through other methods, and on CUDA the engine's calls
+return once their kernels are queued, so the device time would land at the loop's own sync points.
 """
 
 from __future__ import annotations
@@ -59,20 +62,32 @@ def write_on_exit(out: Path, calls: list[tuple[float, float]]) -> None:
     distributed.exit_process = exit_process
 
 
-def engine_seconds(out: Path, start: float, end: float) -> float | None:
+def engine_seconds(out: Path, start: float, end: float, ranks: int) -> float | None:
     """Seconds between host times ``start`` and ``end`` that the ranks spent inside the engine's timed methods,
-    averaged over the ranks that wrote a clock to ``out`` (None: no clock there)."""
+    averaged over the ``ranks`` ranks (None: no clock in ``out``)."""
     files = sorted(out.glob("engine_clock.rank*.json"))
     if not files:
         return None
+    if len(files) != ranks:
+        raise RuntimeError(f"{out}: {len(files)} engine clocks for {ranks} ranks (a rank did not end its loop)")
     inside = [sum(max(0.0, min(e, end) - max(s, start)) for s, e in json.loads(f.read_text())["calls"]) for f in files]
     return sum(inside) / len(inside)
+
+
+def out_arg(loop_args: list[str]) -> str:
+    """The loop's ``--out`` folder (``--out PATH`` or ``--out=PATH``)."""
+    for i, arg in enumerate(loop_args):
+        if arg == "--out" and i + 1 < len(loop_args):
+            return loop_args[i + 1]
+        if arg.startswith("--out="):
+            return arg.split("=", 1)[1]
+    raise SystemExit("bench.engine_clock: the loop needs --out (where each rank writes its clock)")
 
 
 def main(argv: list[str]) -> None:
     local_rank = [a for a in argv if a.startswith("--local_rank")]
     target, *loop_args = [a for a in argv if not a.startswith("--local_rank")]
-    out = Path(loop_args[loop_args.index("--out") + 1])
+    out = Path(out_arg(loop_args))
     calls: list[tuple[float, float]] = []
     clock_engine(calls)
     write_on_exit(out, calls)

@@ -61,7 +61,7 @@ def mean_and_max(means: Sequence[float], maxes: Sequence[float]) -> tuple[list[f
     else:
         table = row[None]
     n = len(means)
-    return table[:, :n].mean(dim=0).tolist(), table[:, n:].amax(dim=0).tolist() if maxes else []
+    return table[:, :n].mean(dim=0).tolist(), table[:, n:].amax(dim=0).tolist()
 
 
 def _comm_tensor(t: torch.Tensor) -> torch.Tensor:

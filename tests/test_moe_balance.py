@@ -308,6 +308,7 @@ def _rank_main(rank: int, world: int, port: int, out: str) -> None:
             first_bias = balancer.biases()
     gathered = [torch.zeros(2, 8) for _ in range(world)]
     dist.all_gather(gathered, balancer.biases())
+    bias_stats = balancer.window_stats()  # the loads were summed over the world at each step already
     # Telemetry without the bias (aux loss on): a window's loads and losses, summed over the world at the log point.
     aux_model = tiny("v3")
     aux = Balancer(aux_model, BalanceChoice("aux", "deepseek_v3", aux_alpha=0.01), lambda: 1.0, "cpu")
@@ -318,17 +319,30 @@ def _rank_main(rank: int, world: int, port: int, out: str) -> None:
     window["stats"] = aux.window_stats()
     window["mean_and_max"] = mean_and_max([float(rank), 1.5], [float(rank) * 2, -float(rank)])
     torch.save(
-        {"biases": gathered, "first_counts": local_counts[0], "first_bias": first_bias, "window": window},
+        {
+            "biases": gathered,
+            "first_counts": local_counts[0],
+            "first_bias": first_bias,
+            "window": window,
+            "steps_counts": torch.stack(local_counts).sum(0),
+            "bias_stats": bias_stats,
+        },
         f"{out}/{rank}.pt",
     )
     dist.destroy_process_group()
 
 
-def test_every_rank_keeps_the_same_bias_from_the_world_summed_loads(tmp_path: Path) -> None:
+@pytest.fixture(scope="module")
+def three_ranks(tmp_path_factory: pytest.TempPathFactory) -> dict[int, dict]:
+    """What each of three gloo ranks of ``_rank_main`` saved (one spawn for the tests below)."""
+    out, world = tmp_path_factory.mktemp("ranks"), 3
+    mp.start_processes(_rank_main, args=(world, free_port(), str(out)), nprocs=world, start_method="spawn")
+    return {rank: torch.load(out / f"{rank}.pt") for rank in range(world)}
+
+
+def test_every_rank_keeps_the_same_bias_from_the_world_summed_loads(three_ranks: dict[int, dict]) -> None:
     """Three gloo ranks on different rows: after three steps every rank's bias is bit-identical and not zero."""
-    world = 3
-    mp.start_processes(_rank_main, args=(world, free_port(), str(tmp_path)), nprocs=world, start_method="spawn")
-    results = {rank: torch.load(tmp_path / f"{rank}.pt") for rank in range(world)}
+    world, results = 3, three_ranks
     first = results[0]["biases"][0]
     assert first.abs().sum() > 0
     for rank in range(world):
@@ -340,12 +354,10 @@ def test_every_rank_keeps_the_same_bias_from_the_world_summed_loads(tmp_path: Pa
     assert any(not torch.equal(a, alone[0]) for a in alone[1:])
 
 
-def test_a_log_points_telemetry_and_numbers_are_the_worlds(tmp_path: Path) -> None:
+def test_a_log_points_telemetry_and_numbers_are_the_worlds(three_ranks: dict[int, dict]) -> None:
     """Three gloo ranks: the window's loads and balance loss are those of every rank's summed (one all-reduce), and
     ``mean_and_max`` gives each value's mean and largest over the ranks, the same on every rank."""
-    world = 3
-    mp.start_processes(_rank_main, args=(world, free_port(), str(tmp_path)), nprocs=world, start_method="spawn")
-    windows = [torch.load(tmp_path / f"{rank}.pt")["window"] for rank in range(world)]
+    windows = [three_ranks[rank]["window"] for rank in range(3)]
     counts = sum(w["counts"] for w in windows)
     assert any(not torch.equal(w["counts"], windows[0]["counts"]) for w in windows[1:])  # the ranks saw other rows
     expected = load_stats(counts)
@@ -355,6 +367,8 @@ def test_a_log_points_telemetry_and_numbers_are_the_worlds(tmp_path: Path) -> No
         assert stats.pop("balance_loss") == pytest.approx(float(per_layer.sum()), rel=1e-6)
         assert stats == expected
         assert w["mean_and_max"] == ([1.0, 1.5], [4.0, 0.0])
+    with_bias = load_stats(sum(three_ranks[rank]["steps_counts"] for rank in range(3)))
+    assert all(three_ranks[rank]["bias_stats"] == with_bias for rank in range(3))
 
 
 # Through train.py (one process, fp32 ZeRO-2) on a tiny DeepSeek-V3 whose routers favour experts 0 and 1.
