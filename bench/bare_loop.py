@@ -98,6 +98,18 @@ def build(args: LoopArgs, cfg: dsconfig.ResolvedConfig) -> Built:
     return Built(cfg, model, PackedDataset(args.data, "train"), int(meta["seq_len"]))
 
 
+def train_loader(
+    built: Built, seed: int, rank: int, world: int, pin_memory: bool, collate_fn: Any = None
+) -> torch.utils.data.DataLoader:
+    """This rank's micro-batches as train.py reads them: its ``GlobalBatchSampler`` order, one worker (every loop
+    reads the same rows in the same order; ``collate_fn`` None: torch's default)."""
+    b = built.cfg.batch
+    sampler = GlobalBatchSampler(len(built.train_data), b.micro, b.accum, rank, world, seed)
+    return torch.utils.data.DataLoader(
+        built.train_data, batch_sampler=sampler, num_workers=1, pin_memory=pin_memory, collate_fn=collate_fn
+    )
+
+
 def write_step_times(out: Path, step_ends: list[float], log_interval: int, extra: dict[str, Any]) -> None:
     """Step-end host times as train.py-shaped records, every ``log_interval`` steps (rank 0 calls this)."""
     out.mkdir(parents=True, exist_ok=True)
@@ -123,11 +135,7 @@ def main(argv: list[str] | None = None) -> None:
     b = built.cfg.batch
     params = [p for p in built.model.parameters() if p.requires_grad]
     engine, *_ = deepspeed.initialize(model=built.model, model_parameters=params, config=built.cfg.ds)
-    sampler = GlobalBatchSampler(len(built.train_data), b.micro, b.accum, rank, world, args.seed)
-    loader = torch.utils.data.DataLoader(
-        built.train_data, batch_sampler=sampler, num_workers=1, pin_memory=device.startswith("cuda")
-    )
-    batches = iter(loader)
+    batches = iter(train_loader(built, args.seed, rank, world, pin_memory=device.startswith("cuda")))
     step_ends: list[float] = []
     for _ in range(args.max_steps):
         micro = [{k: v.to(device, non_blocking=True) for k, v in next(batches).items()} for _ in range(b.accum)]

@@ -6,8 +6,9 @@
 The ds_config is resolved by deepzero.dsconfig first (comments dropped, batch keys and every "auto" filled), and the
 ``TrainingArguments`` are set to the same values, because HF's own "auto" resolution (``fill_match``) raises on any
 mismatch between the two. The Trainer reads the rows train.py and the bare loop read, in their order (a data loader
-over train.py's ``GlobalBatchSampler``, one worker, as HF's own rank-aware batch samplers are given): on an MoE model
-other rows route other tokens to other experts, so a different order would be different work. It keeps its own
+over train.py's ``GlobalBatchSampler``, one worker, given to the Trainer as a plain DataLoader: accelerate's
+``DataLoaderShard`` wrapper, which a user's Trainer has, is left out, which if anything favours HF Trainer): on an
+MoE model other rows route other tokens to other experts, so a different order would be different work. It keeps its own
 defaults otherwise (its collator and loop; its NaN filter; its token averaging across ranks,
 ``average_tokens_across_devices``: each step's target count gathered from every rank, the same all-reduce train.py
 and the bare loop do): this is the loop a user of HF Trainer gets. Like the bare loop it runs no MoE balancing and
@@ -29,8 +30,7 @@ from typing import Any
 import torch
 from torch.utils.data import DataLoader
 
-from bench.bare_loop import LoopArgs, build, parse_args, resolve_config, write_step_times
-from deepzero.data import GlobalBatchSampler
+from bench.bare_loop import LoopArgs, build, parse_args, resolve_config, train_loader, write_step_times
 from deepzero.distributed import exit_process, release_shm_buffers
 
 
@@ -118,15 +118,8 @@ def main(argv: list[str] | None = None) -> None:
         """HF Trainer reading train.py's rows in train.py's order (each rank its share of every global batch)."""
 
         def get_train_dataloader(self) -> DataLoader:
-            b = cfg.batch
-            sampler = GlobalBatchSampler(len(built.train_data), b.micro, b.accum, rank, world, args.seed)
-            return DataLoader(
-                built.train_data,
-                batch_sampler=sampler,
-                collate_fn=self.data_collator,
-                num_workers=self.args.dataloader_num_workers,
-                pin_memory=self.args.dataloader_pin_memory,
-            )
+            pin = self.args.dataloader_pin_memory
+            return train_loader(built, args.seed, rank, world, pin_memory=pin, collate_fn=self.data_collator)
 
     clock = StepClock()
     trainer = SameRowsTrainer(model=built.model, args=training_args, train_dataset=built.train_data, callbacks=[clock])

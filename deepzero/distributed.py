@@ -51,17 +51,21 @@ def mean_and_max(means: Sequence[float], maxes: Sequence[float]) -> tuple[list[f
     A log point's numbers (loss, peak memory, non-finite streak) cost one all-reduce instead of one each: every rank
     writes its values into its own row of a ``[world, n]`` float64 table of zeros and the rows are summed.
     """
-    row = torch.tensor([*means, *maxes], dtype=torch.float64)
-    if dist.is_initialized() and dist.get_world_size() > 1:
-        table = torch.zeros(dist.get_world_size(), row.numel(), dtype=torch.float64)
-        table[dist.get_rank()] = row
-        table = _comm_tensor(table)
-        dist.all_reduce(table)
-        table = table.cpu()
-    else:
-        table = row[None]
+    table = every_ranks_row(torch.tensor([*means, *maxes], dtype=torch.float64))
     n = len(means)
     return table[:, :n].mean(dim=0).tolist(), table[:, n:].amax(dim=0).tolist()
+
+
+def every_ranks_row(row: torch.Tensor) -> torch.Tensor:
+    """``[world, n]``: each rank's ``row`` (a 1-D host tensor), the same table on every rank. One all-reduce: every
+    rank writes its row into a table of zeros and the tables are summed (a plain process: ``row[None]``)."""
+    if not dist.is_initialized():
+        return row[None]
+    table = torch.zeros(dist.get_world_size(), row.numel(), dtype=row.dtype)
+    table[dist.get_rank()] = row
+    table = _comm_tensor(table)
+    dist.all_reduce(table)
+    return table.cpu()
 
 
 def _comm_tensor(t: torch.Tensor) -> torch.Tensor:
@@ -89,12 +93,7 @@ def broadcast_int(x: int) -> int:
 
 def ranks_where(flag: bool) -> list[int]:
     """The global ranks whose ``flag`` is true, the same list on every rank (one all-reduce of world-size bytes)."""
-    if not dist.is_initialized():
-        return [0] if flag else []
-    flags = torch.zeros(dist.get_world_size(), dtype=torch.int32)
-    flags[dist.get_rank()] = int(flag)
-    flags = _comm_tensor(flags)
-    dist.all_reduce(flags)
+    flags = every_ranks_row(torch.tensor([int(flag)], dtype=torch.int32))[:, 0]
     return [r for r, f in enumerate(flags.tolist()) if f]
 
 

@@ -213,11 +213,16 @@ def _four_bit_weight_bytes(stats: ModelStats, setup: Setup) -> tuple[int, ...]:
     return (*codes, *(setup.bytes_per_value * n for n in stats.float_numels(True)))
 
 
+def _adapter_bytes(stats: ModelStats, setup: Setup) -> int:
+    """The LoRA adapters over a 4-bit base, in fp32 (peft's default)."""
+    return 4 * sum(stats.lora_numels(setup.lora_rank))
+
+
 def four_bit_base_bytes(stats: ModelStats, setup: Setup, adapters: bool = True) -> int:
     """Bytes of a whole 4-bit base once loaded: its parameters (:func:`_four_bit_weight_bytes`), the codes'
-    constants, and with ``adapters`` the adapters in fp32 (peft's default)."""
+    constants, and with ``adapters`` the adapters (:func:`_adapter_bytes`)."""
     weights = sum(_four_bit_weight_bytes(stats, setup)) + _quant_state_bytes(stats)
-    return weights + (4 * sum(stats.lora_numels(setup.lora_rank)) if adapters else 0)
+    return weights + (_adapter_bytes(stats, setup) if adapters else 0)
 
 
 def four_bit_load_bytes(stats: ModelStats, setup: Setup) -> int:
@@ -227,8 +232,8 @@ def four_bit_load_bytes(stats: ModelStats, setup: Setup) -> int:
     if setup.stage != 3:
         return four_bit_base_bytes(stats, setup)
     weights = _four_bit_weight_bytes(stats, setup)
-    adapters = 4 * sum(stats.lora_numels(setup.lora_rank))
-    return -(-sum(weights) // setup.world_size) + _quant_state_bytes(stats) + adapters + max(weights)
+    whole = _quant_state_bytes(stats) + _adapter_bytes(stats, setup)
+    return -(-sum(weights) // setup.world_size) + whole + max(weights)
 
 
 def _states(stats: ModelStats, setup: Setup, share: Share) -> tuple[int, int, int, int, int, RankStates]:
