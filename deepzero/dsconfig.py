@@ -211,7 +211,7 @@ def replace_schedule(cfg: dict[str, Any], name: str, lr: Any = "auto") -> None:
 
 OWNED_SECTIONS = ("preference", "quantization")
 """Preset sections that deepzero reads itself (the preference loss: ``deepzero.losses.objectives``; the 4-bit base:
-``deepzero.quant``); removed from
+``deepzero.adapters.quant``); removed from
 the config before it is validated and handed to DeepSpeed."""
 
 

@@ -124,7 +124,7 @@ def build_model(
     dtype, which halves host RAM per rank against fp32. For ZeRO-3 call ``zero3_context`` first.
 
     ``experts_implementation`` (MoE models only; None keeps Transformers' default) selects the experts kernel.
-    ``quantization_config`` (pretrained weights only) loads a quantised base (``deepzero.quant``), into host RAM
+    ``quantization_config`` (pretrained weights only) loads a quantised base (``deepzero.adapters.quant``), into host RAM
     with ``on_host`` (Transformers' 4-bit loader otherwise puts it on the current card).
     """
     kwargs: dict[str, Any] = {"attn_implementation": attn_implementation, "trust_remote_code": trust_remote_code}
@@ -200,7 +200,7 @@ def _offline_fix() -> str:
 @contextlib.contextmanager
 def zero3_init_off() -> Iterator[None]:
     """Transformers loads without zero.Init while this lasts: rank 0 alone saving and reloading (a collective there
-    would deadlock), or a rank loading a 4-bit base on the host by itself (``deepzero.partitioned_load``)."""
+    would deadlock), or a rank loading a 4-bit base on the host by itself (``deepzero.adapters.partitioned_load``)."""
     from transformers.integrations import deepspeed as hf_deepspeed
 
     saved = hf_deepspeed._hf_deepspeed_config_weak_ref

@@ -27,12 +27,13 @@ from deepzero import (
     modeling,
     moe_balance,
     preemption,
-    quant,
     reference,
     report,
     universal,
 )
 from deepzero import sequence_parallel as sp
+from deepzero.adapters import quant
+from deepzero.adapters.lora import LoraSpec
 from deepzero.args import TrainArgs
 from deepzero.data import PackedDataset, PreferenceDataset, check_enough_rows, load_meta, open_split
 from deepzero.distributed import init_distributed
@@ -40,7 +41,6 @@ from deepzero.engines import EngineSettings, TrainEngine
 from deepzero.engines.zero import local_values
 from deepzero.errors import UserError
 from deepzero.flops import flops_per_token, peak_tflops, routed_experts
-from deepzero.lora import LoraSpec
 from deepzero.losses.objectives import PREFERENCE_KEYS, PREFERENCE_SECTION, PreferenceSettings, choose_preference
 from deepzero.memory_savers import MemorySavers
 from deepzero.metrics import MetricsSink, redact

@@ -9,8 +9,8 @@ import torch
 from torch.utils.flop_counter import FlopCounterMode
 from transformers import AutoModelForCausalLM, LlamaConfig
 
+from deepzero.adapters.lora import LoraSpec, apply_lora
 from deepzero.flops import flops_per_token
-from deepzero.lora import LoraSpec, apply_lora
 from deepzero.presets import get_preset
 
 SEQ, ROWS, VOCAB = 128, 4, 512

@@ -18,10 +18,10 @@ from deepspeed.utils.zero_to_fp32 import (
 )
 from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer
 
+from deepzero.adapters.lora import LoraSpec, Targets, apply_lora, is_adapter_param, merged_model, resolve_targets
 from deepzero.checkpoint import tag_for
 from deepzero.data import PackedDataset, make_eval_loader
 from deepzero.errors import UserError
-from deepzero.lora import LoraSpec, Targets, apply_lora, is_adapter_param, merged_model, resolve_targets
 from deepzero.presets import get_preset
 
 ALL_LINEAR = ("q_a_proj", "q_b_proj", "kv_a_proj_with_mqa", "kv_b_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
@@ -194,7 +194,7 @@ SUMMARY = re.compile(
     r"(?: \+ (?P<experts>\d+) fused expert tensors)?; trainable (?P<trainable>[\d,]+) of (?P<total>[\d,]+) params",
     re.MULTILINE,
 )
-"""The line deepzero.lora.LoraSummary.describe prints on rank 0."""
+"""The line deepzero.adapters.lora.LoraSummary.describe prints on rank 0."""
 
 
 def precision(name: str) -> str:

@@ -14,10 +14,11 @@ import pytest
 import torch
 from conftest import NATIVE_16BIT, REPO, cpu_env, launch
 
-from deepzero import dsconfig, engines, modeling, plan, quant
+from deepzero import dsconfig, engines, modeling, plan
+from deepzero.adapters import quant
+from deepzero.adapters.lora import LoraSpec
 from deepzero.args import parse_args
 from deepzero.errors import UserError
-from deepzero.lora import LoraSpec
 from deepzero.losses.tiled import TiledLoss, vocab_block
 from deepzero.modeling import planning_config
 from deepzero.plan import GiB, Setup, ZeroKnobs, estimate, model_stats, rank_states
@@ -233,7 +234,7 @@ def test_lora_spec_counts_what_peft_wraps(targets: str) -> None:
     the fused routed experts)."""
     from transformers import AutoModelForCausalLM
 
-    from deepzero.lora import apply_lora
+    from deepzero.adapters.lora import apply_lora
 
     config, spec = get_preset("tiny-deepseek-v3").config(), LoraSpec.parse(f"r=4,targets={targets}")
     model = apply_lora(AutoModelForCausalLM.from_config(config), spec)

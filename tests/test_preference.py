@@ -331,7 +331,7 @@ def test_the_adapters_off_reference_pass_is_neither_counted_nor_balanced_by_the_
     those of the same step with the reference log-probs precomputed (the adapters start at zero: the same numbers)."""
     from transformers import AutoModelForCausalLM
 
-    from deepzero.lora import LoraSpec, apply_lora
+    from deepzero.adapters.lora import LoraSpec, apply_lora
     from deepzero.losses.objectives import Preference, PreferenceSettings, sequence_logps
     from deepzero.moe_balance import BalanceChoice, Balancer
 

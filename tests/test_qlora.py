@@ -103,7 +103,7 @@ def test_a_random_init_preset_is_refused(tiny_data: Path) -> None:
 def test_ranks_that_loaded_different_bases_stop_in_one_line(base16: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     """Under ZeRO-3 each rank loads and partitions the 4-bit base alone (no broadcast from rank 0), so the ranks
     compare what they loaded: a rank whose copy differs in one byte of one tensor stops every rank in one line."""
-    from deepzero import partitioned_load, quant
+    from deepzero.adapters import partitioned_load, quant
 
     bnb = quant.FourBit("fp32", "fp32").bnb_config()
     model = AutoModelForCausalLM.from_pretrained(base16, quantization_config=bnb, device_map={"": "cpu"})

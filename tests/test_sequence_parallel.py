@@ -24,9 +24,9 @@ from test_pipeline import tiny_models
 from transformers import AutoModelForCausalLM, LlamaConfig, Qwen2Config
 
 from deepzero import sequence_parallel as sp
+from deepzero.adapters.lora import LoraSpec, apply_lora
 from deepzero.distributed import free_port
 from deepzero.errors import UserError
-from deepzero.lora import LoraSpec, apply_lora
 from deepzero.losses import TiledLoss, install_tiled_loss
 from deepzero.moe_balance import BalanceChoice, Balancer
 

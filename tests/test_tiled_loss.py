@@ -14,9 +14,9 @@ from test_pipeline import tiny_models
 from torch.utils._python_dispatch import TorchDispatchMode
 from transformers import AutoModelForCausalLM
 
+from deepzero.adapters.lora import LoraSpec, apply_lora
 from deepzero.engines.layer_split import LayerSplitEngine, place_model
 from deepzero.engines.pipeline import TokenMeanLoss, sequential_forward, to_pipeline_layers
-from deepzero.lora import LoraSpec, apply_lora
 from deepzero.losses import TiledLoss, install_tiled_loss
 from deepzero.losses.lm import lm_loss, loss_normalizer
 

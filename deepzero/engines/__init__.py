@@ -16,13 +16,13 @@ from __future__ import annotations
 
 from typing import Any, Protocol
 
+from deepzero.adapters.lora import LoraSpec
 from deepzero.dsconfig import BatchMath
 from deepzero.engines.base import Batch, ModelFactory, TrainEngine
 from deepzero.engines.layer_split import LayerSplitSettings
 from deepzero.engines.pipeline import PipelineSettings
 from deepzero.engines.zero import ZeroSettings
 from deepzero.errors import UserError
-from deepzero.lora import LoraSpec
 from deepzero.losses.objectives import PreferenceSettings
 
 

@@ -2,7 +2,7 @@
 state (ZeRO-1), gradients (ZeRO-2) and parameters (ZeRO-3), optionally offloaded to CPU RAM.
 
 LoRA is a model transform applied here, between building the model and ``deepspeed.initialize``, plus an export
-variant that merges the adapters (``deepzero.lora``). So is sequence parallelism (``deepzero.sequence_parallel``):
+variant that merges the adapters (``deepzero.adapters.lora``). So is sequence parallelism (``deepzero.sequence_parallel``):
 each sequence group's ranks read the same rows, train on their slices of them, and DeepSpeed reduces the gradients
 over its sequence × data-parallel groups (``mpu=parallel_state_sp``).
 """
@@ -22,15 +22,16 @@ import torch.distributed as dist
 from deepspeed.accelerator import get_accelerator
 from torch import nn
 
-from deepzero import modeling, quant
+from deepzero import modeling
 from deepzero import sequence_parallel as sp
+from deepzero.adapters import quant
+from deepzero.adapters.lora import LoraSpec, apply_lora, export_lora_hf
+from deepzero.adapters.partitioned_load import load_partitioned
 from deepzero.dsconfig import BatchMath
 from deepzero.engines.base import Batch, DeepSpeedBacked, ModelFactory, mean_eval_loss
 from deepzero.errors import UserError
 from deepzero.export import ExportReport, export_hf
-from deepzero.lora import LoraSpec, apply_lora, export_lora_hf
 from deepzero.losses.objectives import Objective, PreferenceSettings, build_objective
-from deepzero.partitioned_load import load_partitioned
 
 Exporter = Callable[[Any, Any, Path, Batch], "ExportReport | None"]
 

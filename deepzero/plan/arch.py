@@ -7,8 +7,8 @@ from dataclasses import dataclass
 import torch
 from transformers import AutoModelForCausalLM, PretrainedConfig
 
+from deepzero.adapters.lora import LoraSpec
 from deepzero.flops import routed_experts
-from deepzero.lora import LoraSpec
 
 
 @dataclass(frozen=True)
@@ -116,7 +116,7 @@ def _arch(config: PretrainedConfig, model: torch.nn.Module) -> Arch:
 
 def model_stats(config: PretrainedConfig, name: str = "model", lora: LoraSpec | None = None) -> ModelStats:
     """Count parameters by building the model on the meta device (no memory, no weights). ``lora``: count the
-    adapters that spec wraps (``deepzero.lora``'s own target resolution); None: every decoder linear."""
+    adapters that spec wraps (``deepzero.adapters.lora``'s own target resolution); None: every decoder linear."""
     with torch.device("meta"):
         model = AutoModelForCausalLM.from_config(config)
     params = list(model.parameters())  # deduplicates tied weights, like DeepSpeed sees them
@@ -167,7 +167,7 @@ def _lora_shapes(model: torch.nn.Module, spec: LoraSpec | None) -> tuple[tuple[i
             for n, m in model.model.layers.named_modules()
             if isinstance(m, torch.nn.Linear) and n.rsplit(".", 1)[-1] != "gate"
         )
-    from deepzero.lora import expert_param_names, resolve_targets
+    from deepzero.adapters.lora import expert_param_names, resolve_targets
 
     targets = resolve_targets(model, spec)
     modules = dict(model.named_modules())

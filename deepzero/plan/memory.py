@@ -6,7 +6,7 @@ from __future__ import annotations
 from collections.abc import Sequence
 from dataclasses import dataclass
 
-from deepzero import quant
+from deepzero.adapters import quant
 from deepzero.plan.activations import activation_bytes, logits_bytes, offloaded_bytes
 from deepzero.plan.arch import ModelStats
 from deepzero.plan.generation import generation_bytes, reference_copy_bytes
@@ -227,7 +227,7 @@ def four_bit_base_bytes(stats: ModelStats, setup: Setup, adapters: bool = True) 
 
 def four_bit_load_bytes(stats: ModelStats, setup: Setup) -> int:
     """Bytes on each card while a 4-bit base loads, before ``deepspeed.initialize``. ZeRO-0/1/2: the whole base on
-    every card (Transformers' 4-bit loader has no ``zero.Init``). ZeRO-3 (``deepzero.partitioned_load``): this rank's
+    every card (Transformers' 4-bit loader has no ``zero.Init``). ZeRO-3 (``deepzero.adapters.partitioned_load``): this rank's
     partition of the base, the constants and adapters whole, and one whole tensor on its way to being partitioned."""
     if setup.stage != 3:
         return four_bit_base_bytes(stats, setup)
@@ -279,7 +279,7 @@ def host_bytes(stats: ModelStats, setup: Setup, rs: RankStates) -> tuple[int, in
     """(host RAM of the machine, offloaded states, transient load bytes): pretrained weights load in the training
     dtype, a random-init model is built in fp32; every process builds the whole model in host RAM except under
     ZeRO-3 and for a 4-bit base (each tensor straight to the card; under ZeRO-3 one rank at a time holds the whole
-    4-bit base: ``deepzero.partitioned_load``)."""
+    4-bit base: ``deepzero.adapters.partitioned_load``)."""
     p, n = setup.bytes_per_value, setup.world_size
     procs = 1 if isinstance(setup.layout, LayerSplitLayout) else n
     host_states = 0

@@ -151,10 +151,10 @@ class Setup:
     grpo: GrpoTerms | None = None
     """GRPO's generation and reference (``plan.generation``); None: no generation."""
     four_bit: bool = False
-    """The frozen base in 4 bits under the LoRA adapters (``--load-in-4bit``, ``deepzero.quant``): every weight
+    """The frozen base in 4 bits under the LoRA adapters (``--load-in-4bit``, ``deepzero.adapters.quant``): every weight
     ``ModelStats.four_bit_mask`` marks as NF4 codes plus its quantisation constants, the rest in the training dtype;
     loaded whole on every card under ZeRO-0/1/2, and in host RAM one rank at a time under ZeRO-3, each card keeping
-    its partition (``deepzero.partitioned_load``)."""
+    its partition (``deepzero.adapters.partitioned_load``)."""
 
     @property
     def tokens(self) -> int:

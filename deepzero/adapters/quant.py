@@ -7,7 +7,7 @@ that DeepSpeed can flatten and partition them with the other parameters; under Z
 
 Transformers never partitions a quantised model at load (its ``zero.Init`` is skipped for any quantiser). Under ZeRO-2
 every card holds the whole 4-bit base anyway; under ZeRO-3 the ranks of a machine load it on the host one at a time
-and keep only their partition (``deepzero.partitioned_load``). The planner counts both loads.
+and keep only their partition (``deepzero.adapters.partitioned_load``). The planner counts both loads.
 
 The export merges the trained adapters into the original 16-bit base read again from the model source (not the NF4
 blocks dequantised) and writes a plain Transformers folder, plus the adapters alone in peft's format. Its logits
@@ -79,7 +79,7 @@ class FourBit:
     origin: str = FLAG
     """Where it was asked for: the flag or the preset's key (for the header and the errors)."""
     load_on_host: bool = False
-    """ZeRO-3: each rank reads the base into host RAM in turn and keeps its partition (``deepzero.partitioned_load``);
+    """ZeRO-3: each rank reads the base into host RAM in turn and keeps its partition (``deepzero.adapters.partitioned_load``);
     otherwise each tensor goes straight to the card as it loads."""
 
     def bnb_config(self) -> Any:
@@ -300,7 +300,7 @@ def _merge_into_16bit(
     the adapters saved to ``adapter_dir`` (peft format) and merged into it."""
     from transformers import AutoModelForCausalLM
 
-    from deepzero.lora import wrap
+    from deepzero.adapters.lora import wrap
 
     base = AutoModelForCausalLM.from_pretrained(source, dtype="auto", attn_implementation=attn)
     base.eval()
