@@ -369,10 +369,11 @@ def _prune(ckpt_dir: Path, keep_last: int, keep: str) -> None:
 ZERO_FILE_RE = re.compile(r"^(?:bf16_)?zero_pp_rank_(\d+)_mp_rank_(\d+)_optim_states\.pt$")
 
 
-def check_resumable(ckpt_dir: Path, dp_size: int) -> str:
+def check_resumable(ckpt_dir: Path, dp_size: int, four_bit: bool = False) -> str:
     """The tag ``latest`` names, after checks that need no engine: the folder exists, every ``.pt`` file in it is a
     complete torch zip archive, and a ZeRO checkpoint was written by ``dp_size`` data-parallel ranks (else it needs
-    ``python -m deepzero.universal`` first). Cheap: reads directory listings and zip footers only."""
+    ``python -m deepzero.universal`` first; a run over a 4-bit base, whose checkpoint holds no base to convert,
+    resumes on as many ranks as wrote it). Cheap: reads directory listings and zip footers only."""
     tag = latest_tag(ckpt_dir)
     if tag is None:
         raise UserError(str(ckpt_dir), "no checkpoint to resume from (no 'latest' file)", "drop --resume or fix --out")
@@ -392,6 +393,13 @@ def check_resumable(ckpt_dir: Path, dp_size: int) -> str:
     saved = {int(m.group(1)) for p in files if (m := ZERO_FILE_RE.match(p.name))}
     if saved and not (folder / "zero").is_dir() and len(saved) != dp_size:
         run_dir = ckpt_dir.parent if ckpt_dir.name == "checkpoints" else ckpt_dir
+        if four_bit:
+            raise UserError(
+                str(folder),
+                f"was saved by {len(saved)} data-parallel ranks, this run has {dp_size}; a checkpoint over a 4-bit"
+                " base holds the adapters only and resumes on the world that wrote it",
+                f"launch {len(saved)} ranks with the same preset to --resume",
+            )
         raise UserError(
             str(folder),
             f"was saved by {len(saved)} data-parallel ranks, this run has {dp_size}",
@@ -413,6 +421,8 @@ def load(engine: Any, ckpt_dir: Path, load_optimizer_states: bool = True) -> Tra
         path, client_state = engine.load_checkpoint(
             str(ckpt_dir), tag=tag, load_optimizer_states=load_optimizer_states, load_lr_scheduler_states=True
         )
+    except UserError:  # the engine's own check (a QLoRA checkpoint of another base)
+        raise
     except Exception as err:  # DeepSpeed raises many types for truncated or foreign files
         raise UserError(
             str(ckpt_dir / tag),

@@ -170,9 +170,10 @@ def plan_run(args: TrainArgs, world: int) -> RunPlan:
     train_data = open_split(args.data, "train", documents=args.packing == "documents", vocab_size=vocab)
     check_enough_rows(len(train_data), cfg.batch.global_batch // (grpo.num_generations if grpo else 1), "train")
     val_data = usable_val_split(args, meta, cfg.batch, vocab)
-    check_disk(args, config, cfg.precision)
+    check_disk(args, config, cfg.precision, four_bit is not None)
     if args.resume:
-        checkpoint.check_resumable(args.checkpoint_dir, settings.dp_size(world) * sequence)  # ZeRO: every rank
+        ranks = settings.dp_size(world) * sequence  # ZeRO: every rank
+        checkpoint.check_resumable(args.checkpoint_dir, ranks, four_bit is not None)
     pipeline = isinstance(settings, engines.PipelineSettings)
     savers = MemorySavers.choose(args, config, seq_len, pipeline=pipeline, vocab_size=vocab)
     terms = SaverTerms.of(savers)
@@ -274,13 +275,14 @@ def plan_tokenizer(args: TrainArgs, meta: dict[str, Any]) -> Any:
     return tokenizer
 
 
-def check_disk(args: TrainArgs, config: Any, precision: str) -> None:
+def check_disk(args: TrainArgs, config: Any, precision: str, four_bit: bool = False) -> None:
     """Free space for ``keep_last`` checkpoints and the export (one error line when not even one fits, else a
     warning), and on rank 0 whether a SIGTERM save can finish within the launcher's grace (docs/reliability.md)."""
     stats = model_stats(config)
     param_bytes = 4 if precision == "fp32" else 2
     trainable = 0 if args.lora else stats.total  # LoRA: the adapters' optimizer state is negligible
-    ckpt_bytes = checkpoint.checkpoint_bytes(stats.total, trainable, param_bytes)
+    stored = 0 if four_bit else stats.total  # a 4-bit base is read again from the source, never saved
+    ckpt_bytes = checkpoint.checkpoint_bytes(stored, trainable, param_bytes)
     export_bytes = stats.total * param_bytes if args.export else 0
     message = checkpoint.check_disk_space(args.out_dir, ckpt_bytes, args.keep_last, export_bytes)
     if message:

@@ -7,6 +7,7 @@ adapters alone in peft's format. DPO and GRPO on a 4-bit base: tests/test_prefer
 from __future__ import annotations
 
 import json
+import shutil
 import sys
 from pathlib import Path
 
@@ -42,7 +43,7 @@ RUNS = {
 TRAIN = [
     "--lora", "r=8,targets=attn", "--load-in-4bit", "--max-steps", str(STEPS), "--lr", "1e-2", "--warmup-steps", "2",
     "--micro-batch", "2", "--grad-accum", "1", "--log-interval", "1", "--eval-interval", str(STEPS),
-    "--eval-batches", "2", "--save-interval", "100",
+    "--eval-batches", "2", "--save-interval", "5", "--keep-last", "2",
 ]  # fmt: skip
 
 
@@ -128,22 +129,29 @@ def test_ranks_that_loaded_different_bases_stop_in_one_line(base16: Path, monkey
 
 @pytest.fixture(scope="module", params=["zero2", "zero3"])
 def qlora_run(request: pytest.FixtureRequest, tiny_data: Path, tmp_path_factory: pytest.TempPathFactory) -> tuple:
+    """10 steps with checkpoints at 5 and 10, and the same run resumed from step 5 in a copy of its folder: what a
+    job SIGKILLed anywhere in steps 6-10 leaves (checkpoints are published atomically), metrics.jsonl gone."""
     root = tmp_path_factory.mktemp(f"qlora_{request.param}")
     base = pretrained(root / "base", request.param)
     out = root / "run"
-    proc = launch(
-        [*RUNS[request.param][2], "--model", str(base), "--data", str(tiny_data), "--out", str(out), *TRAIN],
-        timeout=600,
-    )
-    return request.param, base, out, proc.stdout
+    args = [*RUNS[request.param][2], "--model", str(base), "--data", str(tiny_data), *TRAIN]
+    proc = launch([*args, "--out", str(out)], timeout=600)
+    resumed = root / "resumed"
+    shutil.copytree(out, resumed, ignore=shutil.ignore_patterns("hf", "hf-adapter", "metrics.jsonl"))
+    (resumed / "checkpoints" / "latest").write_text("step00000005")
+    again = launch([*args, "--out", str(resumed), "--resume", "--no-export"], timeout=600)
+    return request.param, base, out, proc.stdout, resumed, again.stdout
 
 
 @pytest.mark.launcher
 def test_qlora_trains_and_the_header_names_the_4bit_base(qlora_run: tuple) -> None:
-    name, base, out, log = qlora_run
-    storage = "fp32" if name == "zero3" else "uint8"
+    name, base, out, log, *_ = qlora_run
+    config = json.loads((out / "run_config.json").read_text())
+    compute = config["precision"]["dtype"]  # the preset's on a CPU with native 16-bit kernels, else fp32
+    storage = compute if name == "zero3" else "uint8"
     turns = ", read on the host one rank at a time" if name == "zero3" else ""
-    assert f"base in 4 bits (NF4, double quant, compute fp32, storage {storage}{turns})" in log, log[-3000:]
+    header = f"base in 4 bits (NF4, double quant, compute {compute}, storage {storage}{turns})"
+    assert header in log, log[-3000:]
     # counts are weights, not the packed codes' elements (8 weights per fp32 element here)
     weights = sum(p.numel() for p in AutoModelForCausalLM.from_pretrained(base).parameters())
     adapters = 2 * (2 * (8 * 64 + 64 * 8) + 2 * (8 * 64 + 32 * 8))  # r8 on q, o (64 -> 64) and k, v (64 -> 32)
@@ -151,15 +159,14 @@ def test_qlora_trains_and_the_header_names_the_4bit_base(qlora_run: tuple) -> No
     assert "world 3 on cpu (gloo)" in log and ("partitioned at load" in log) == (name == "zero3")
     curve = [losses(out)[s] for s in range(1, STEPS + 1)]
     assert sum(curve[-3:]) / 3 < sum(curve[:3]) / 3 - 0.02, curve
-    config = json.loads((out / "run_config.json").read_text())
-    assert config["four_bit"] == {"quant_type": "nf4", "double_quant": True, "compute": "fp32", "storage": storage}
+    assert config["four_bit"] == {"quant_type": "nf4", "double_quant": True, "compute": compute, "storage": storage}
 
 
 @pytest.mark.launcher
 def test_export_merges_into_the_16bit_base_and_loads_without_peft_or_bitsandbytes(
     qlora_run: tuple, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    _, base, out, _ = qlora_run
+    _, base, out, *_ = qlora_run
     (export,) = records(out, "export")
     assert export["ok"] and export["dtype"] == "bfloat16", export
     assert export["base_median_token_logit_diff"] > 0 and export["median_token_logit_diff"] <= export["tolerance"]
@@ -191,3 +198,49 @@ def test_export_merges_into_the_16bit_base_and_loads_without_peft_or_bitsandbyte
     assert not torch.equal(exported[key], original[key])
     torch.testing.assert_close(exported[key], expected, rtol=0, atol=float(expected.abs().max()) * 2**-7)
     assert model(input_ids=torch.tensor([[1, 2, 3]])).logits.isfinite().all()
+
+
+@pytest.mark.launcher
+def test_qlora_resumes_bit_exactly_from_a_checkpoint_that_holds_only_the_adapters(qlora_run: tuple) -> None:
+    """Steps 6-10 resumed from the step-5 checkpoint equal the uninterrupted run's, loss and grad norm, to the bit.
+    The checkpoint holds the adapters, their optimizer state and the base's fingerprint: no 4-bit code, no
+    QuantState entry, no frozen 16-bit weight (its size follows the adapters, not the base)."""
+    name, _, out, _, resumed, log = qlora_run
+    assert "resumed from step 5" in log, log[-3000:]
+    full = {r["step"]: r for r in records(out)}
+    again = {r["step"]: r for r in records(resumed)}
+    assert sorted(again) == list(range(6, STEPS + 1))
+    for step in again:
+        assert (again[step]["loss"], again[step]["grad_norm"]) == (full[step]["loss"], full[step]["grad_norm"]), step
+    folder = out / "checkpoints" / "step00000005"
+    states = torch.load(next(folder.glob("*model_states.pt")), map_location="cpu", weights_only=False)
+    assert states["module"] and all(".lora_" in key for key in states["module"]), list(states["module"])[:5]
+    assert not states.get("frozen_param_fragments") and states["four_bit_base"]["tensors"] > 0
+    stored = sum(p.stat().st_size for p in folder.rglob("*") if p.is_file())
+    adapters = sum(t.numel() for t in states["module"].values()) if name == "zero2" else 7168
+    assert stored < 16 * adapters + 200_000, stored  # fp32 master + Adam's moments, plus pickling overhead
+
+
+@pytest.mark.launcher
+@pytest.mark.parametrize("qlora_run", ["zero2"], indirect=True)  # one launch: the check is the same for every stage
+def test_a_resume_on_another_base_or_world_size_stops_in_one_line(
+    qlora_run: tuple, tiny_data: Path, tmp_path: Path
+) -> None:
+    _, base, out, *_ = qlora_run
+    other = pretrained(tmp_path / "other", "zero2")
+    weights = load_file(other / "model.safetensors")
+    weights["model.norm.weight"] = weights["model.norm.weight"] + 1
+    from safetensors.torch import save_file
+
+    save_file(weights, other / "model.safetensors", metadata={"format": "pt"})
+    run = tmp_path / "run"
+    shutil.copytree(out / "checkpoints", run / "checkpoints")
+    args = [*RUNS["zero2"][2], "--data", str(tiny_data), "--out", str(run), *TRAIN, "--resume", "--no-export"]
+    proc = launch([*args, "--model", str(other)], timeout=600, check=False)
+    assert proc.returncode != 0
+    line = "was trained on another 4-bit base ("
+    errors = [x for x in proc.stderr.splitlines() if line in x]
+    assert errors and f"--model {other} loads now" in errors[0], proc.stderr[-3000:]
+    proc = launch([*args, "--model", str(base)], nproc=2, timeout=600, check=False)
+    assert proc.returncode != 0
+    assert "was saved by 3 data-parallel ranks, this run has 2; a checkpoint over a 4-bit base" in proc.stderr

@@ -48,9 +48,9 @@ TURN_TIMEOUT = timedelta(hours=3)
 than the main group's collective timeout (DeepSpeed's default: 10 minutes)."""
 
 
-def load_partitioned(build_model: Callable[[], nn.Module], ds_config: dict) -> nn.Module:
+def load_partitioned(build_model: Callable[[], nn.Module], ds_config: dict) -> tuple[nn.Module, list[int]]:
     """``build_model()`` (a 4-bit base loaded on the host) on each rank of a machine in turn, partitioned for ZeRO-3
-    before the next rank starts; the loading rank uses every core of the machine. Every rank calls it (torchrun
+    before the next rank starts, and its :func:`fingerprint`; the loading rank uses every core of the machine. Every rank calls it (torchrun
     sets LOCAL_WORLD_SIZE, DeepSpeed's launcher LOCAL_SIZE; without either, the whole world takes turns)."""
     local_rank = int(os.environ.get("LOCAL_RANK", "0"))
     local_size = int(os.environ.get("LOCAL_WORLD_SIZE") or os.environ.get("LOCAL_SIZE") or os.environ["WORLD_SIZE"])
@@ -76,7 +76,7 @@ def load_partitioned(build_model: Callable[[], nn.Module], ds_config: dict) -> n
     dist.destroy_process_group(waits)
     assert model is not None and prints is not None
     check_same_everywhere(prints)
-    return model
+    return model, prints
 
 
 @torch.no_grad()
@@ -86,7 +86,7 @@ def fingerprint(model: nn.Module) -> list[int]:
     (bitsandbytes' offset) depends on the thread count in its last bits."""
     out = []
     for param in model.parameters():
-        data = param.detach().contiguous().view(-1).view(torch.uint8)
+        data = param.detach().contiguous().view(-1).view(torch.uint8).cpu()
         out.append(zlib.crc32(data.numpy()))
     return out
 

@@ -24,9 +24,10 @@ from torch import nn
 
 from deepzero import modeling
 from deepzero import sequence_parallel as sp
+from deepzero.adapters import checkpoint as adapter_checkpoint
 from deepzero.adapters import quant
 from deepzero.adapters.lora import LoraSpec, apply_lora, export_lora_hf
-from deepzero.adapters.partitioned_load import load_partitioned
+from deepzero.adapters.partitioned_load import fingerprint, load_partitioned
 from deepzero.dsconfig import BatchMath
 from deepzero.engines.base import Batch, DeepSpeedBacked, ModelFactory, mean_eval_loss
 from deepzero.errors import UserError
@@ -71,6 +72,10 @@ class ZeroEngine(DeepSpeedBacked):
         """The data's row length (0: unknown), for the header's sequence-parallel padding."""
         self.four_bit: quant.FourBit | None = None
         """The 4-bit base under the adapters (QLoRA), for the header."""
+        self.base_print: dict[str, Any] | None = None
+        """QLoRA: the loaded base's fingerprint; its checkpoints hold the adapters only and record this."""
+        self.base_source = ""
+        """QLoRA: where the base was read (the model folder or hub id), for the errors."""
 
     @classmethod
     def build(
@@ -91,10 +96,12 @@ class ZeroEngine(DeepSpeedBacked):
         sequence = sp.SequenceGroups.create(sequence_parallel) if sequence_parallel > 1 else None
         stage = int(ds_config.get("zero_optimization", {}).get("stage", 0))
         keep_alive = modeling.zero3_context(ds_config) if stage == 3 else None
+        prints = None
         if four_bit is not None and four_bit.load_on_host:
-            model = load_partitioned(build_model, ds_config)
+            model, prints = load_partitioned(build_model, ds_config)
         else:
             model = build_model()
+            prints = fingerprint(model) if four_bit is not None else None
         partitioned = any(hasattr(p, "ds_id") for p in model.parameters())
         if gradient_checkpointing and not model.is_gradient_checkpointing:  # (the offloaded kind is set already)
             model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
@@ -118,7 +125,42 @@ class ZeroEngine(DeepSpeedBacked):
         objective = build_objective(preference, grpo, seed)
         built = cls(engine, model, exporter, keep_alive, partitioned, sequence, factor, objective)
         built.four_bit = four_bit
+        if four_bit is not None and prints is not None:
+            built.base_print = adapter_checkpoint.base_fingerprint(prints, four_bit.storage)
+            built.base_source = base_source or ""
         return built
+
+    def save_checkpoint(self, save_dir: str, tag: str, client_state: dict[str, Any], save_latest: bool = False) -> None:
+        """A run over a 4-bit base saves its adapters, their optimizer state and the base's fingerprint, not the base
+        (``deepzero.adapters.checkpoint``)."""
+        if self.base_print is None:
+            return super().save_checkpoint(save_dir, tag, client_state, save_latest)
+        with adapter_checkpoint.adapters_only(self.engine):
+            self.engine.save_checkpoint(
+                save_dir,
+                tag=tag,
+                client_state=client_state | {adapter_checkpoint.BASE_KEY: self.base_print},
+                save_latest=save_latest,
+                exclude_frozen_parameters=True,
+            )
+
+    def load_checkpoint(
+        self, load_dir: str, tag: str, load_optimizer_states: bool = True, load_lr_scheduler_states: bool = True
+    ) -> tuple[str | None, dict[str, Any]]:
+        if self.base_print is None:
+            return super().load_checkpoint(load_dir, tag, load_optimizer_states, load_lr_scheduler_states)
+        path, client_state = self.engine.load_checkpoint(
+            load_dir,
+            tag=tag,
+            load_optimizer_states=load_optimizer_states,
+            load_lr_scheduler_states=load_lr_scheduler_states,
+            custom_load_fn=adapter_checkpoint.load_adapters,
+        )
+        if path is not None:
+            saved = (client_state or {}).get(adapter_checkpoint.BASE_KEY)
+            where = str(Path(load_dir) / tag)
+            adapter_checkpoint.check_same_base(saved, self.base_print, where, self.base_source)
+        return path, client_state
 
     def describe(self) -> str:
         where = "  partitioned at load" if self.partitioned_at_load else ""
