@@ -5,7 +5,9 @@ from __future__ import annotations
 import os
 import socket
 import sys
-from collections.abc import Sequence
+from collections.abc import Iterator, Sequence
+from contextlib import contextmanager
+from datetime import timedelta
 from pathlib import Path
 from typing import NoReturn
 
@@ -89,6 +91,26 @@ def broadcast_int(x: int) -> int:
     if dist.is_initialized():
         dist.broadcast(t, src=0)
     return int(t.item())
+
+
+LONG_WAIT = timedelta(hours=6)
+"""How long ranks may wait on one rank's host work (a 70B base quantised, or merged and written shard by shard):
+longer than the main group's collective timeout (DeepSpeed's default: 10 minutes)."""
+
+
+@contextmanager
+def while_one_rank_works(timeout: timedelta = LONG_WAIT) -> Iterator[None]:
+    """Every rank enters (a gloo group of its own is made first, while all are here); at the exit they meet on it
+    with ``timeout`` instead of the main group's. A no-op outside a process group."""
+    if not dist.is_initialized():
+        yield
+        return
+    group = dist.new_group(backend="gloo", timeout=timeout)
+    try:
+        yield
+    finally:
+        dist.barrier(group=group)
+        dist.destroy_process_group(group)
 
 
 def ranks_where(flag: bool) -> list[int]:

@@ -41,6 +41,14 @@ class ExportReport:
     def ok(self) -> bool:
         return self.max_abs_logit_diff <= self.tolerance
 
+    @property
+    def why(self) -> str:
+        """What failed, in one line (for a report that is not ``ok``)."""
+        return (
+            f"the reloaded export differs from the engine: max |Δlogit| {self.max_abs_logit_diff:.3g} > tolerance"
+            f" {self.tolerance:.3g} ({self.dtype})"
+        )
+
     @classmethod
     def measured(
         cls, out_dir: Path, diff: torch.Tensor, dtype: torch.dtype, engine_logits: torch.Tensor, engine_device: str

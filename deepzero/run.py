@@ -221,6 +221,7 @@ def plan_four_bit(
         precision=cfg.precision,
         offload_param="param" in cfg.offload,
         hierarchical=int(cfg.ds.get("zero_optimization", {}).get("zero_hpz_partition_size") or 1) > 1,
+        expert_targets=args.lora is not None and "experts" in LoraSpec.parse(args.lora).targets,
     )
 
 

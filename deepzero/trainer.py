@@ -247,8 +247,7 @@ def finish(run: Run) -> None:
             if not exported.ok:
                 raise UserError(
                     exported.path,
-                    f"the reloaded export differs from the engine: max |Δlogit| {exported.max_abs_logit_diff:.3g} >"
-                    f" tolerance {exported.tolerance:.3g} ({exported.dtype}); the trained weights are safe in"
+                    f"{exported.why}; the trained weights are safe in"
                     f" {args.checkpoint_dir}/{checkpoint.latest_tag(args.checkpoint_dir)}",
                     f"resume from there, or (ZeRO checkpoints) export them offline with `python -m deepzero.export"
                     f" {args.out_dir} --out {args.out_dir}/hf-fp32`",

@@ -168,14 +168,21 @@ def test_export_merges_into_the_16bit_base_and_loads_without_peft_or_bitsandbyte
 ) -> None:
     _, base, out, *_ = qlora_run
     (export,) = records(out, "export")
-    assert export["ok"] and export["dtype"] == "bfloat16", export
-    assert export["base_median_token_logit_diff"] > 0 and export["median_token_logit_diff"] <= export["tolerance"]
-    assert "quantisation error" in export["compared_with"]
+    assert export["ok"] and export["dtype"] == "bfloat16" and not export["problems"], export
+    adapted = [f"model.layers.{i}.self_attn.{p}_proj" for i in range(2) for p in "qkvo"]
+    # each adapted tensor is W + (alpha/r)·B·A of the source's own, every other one the source's bytes
+    assert export["merged_tensors"] == export["moved_tensors"] == len(adapted), export
+    assert export["unchanged_tensors"] == export["tensors"] - len(adapted) > 0
+    # the user's round trip: the source with hf-adapter applied by stock peft, unmerged, gives the merged logits
+    assert export["peft"].startswith("stock peft") and export["peft"].endswith("loads it as trained"), export
+    assert export["median_token_logit_diff"] <= export["tolerance"] and "unmerged" in export["logit_check"]
     adapter = Path(export["adapter_path"])
     assert adapter == out / "hf-adapter" and (adapter / "adapter_config.json").is_file()
     lora = load_file(adapter / "adapter_model.safetensors")
     assert lora and all(".lora_A." in k or ".lora_B." in k for k in lora)
-    assert json.loads((adapter / "adapter_config.json").read_text())["base_model_name_or_path"] == str(base)
+    adapter_config = json.loads((adapter / "adapter_config.json").read_text())
+    assert adapter_config["base_model_name_or_path"] == str(base)
+    assert sorted(adapter_config["target_modules"]) == sorted(adapted)  # full paths: read one way only
 
     for mod in [m for m in sys.modules if m.split(".")[0] in ("peft", "bitsandbytes")]:
         monkeypatch.setitem(sys.modules, mod, None)

@@ -373,9 +373,19 @@ class LoraExportReport(ExportReport):
     tolerance: float = 1e-4
     merged_modules: int = 0
 
+    adapter_path: str = ""
+    """The adapters alone in peft's format (empty where they include fused expert tensors)."""
+
     @property
     def ok(self) -> bool:
         return self.median_token_logit_diff <= self.tolerance
+
+    @property
+    def why(self) -> str:
+        return (
+            f"the reloaded export differs from the engine: median token |Δlogit| {self.median_token_logit_diff:.3g} >"
+            f" tolerance {self.tolerance:.3g} ({self.dtype})"
+        )
 
 
 TOLERANCE = {torch.float32: 1e-4, torch.float16: 1e-2, torch.bfloat16: 5e-2}
@@ -396,6 +406,7 @@ def export_lora_hf(
         peft_model = engine.module
         base = peft_model.get_base_model()
         wrapped = sum(1 for n, _ in peft_model.named_modules() if n.endswith(".lora_A"))
+        adapter_dir = _write_adapter_folder(state_dict, peft_model.peft_config["default"], out_dir)
         with modeling.zero3_init_off():
             merged = merged_model(state_dict, peft_model.peft_config["default"], base.config)
             del state_dict
@@ -408,10 +419,35 @@ def export_lora_hf(
                 median_token_logit_diff=diff.amax(-1).median().item(),
                 tolerance=max(TOLERANCE[merged.dtype], 0.0 if engine.device.type == "cpu" else 1e-3),
                 merged_modules=wrapped,
+                adapter_path=str(adapter_dir or ""),
             )
     if dist.is_initialized():
         dist.barrier()
     return report
+
+
+def _write_adapter_folder(state_dict: dict[str, torch.Tensor], config: Any, out_dir: Path) -> Path | None:
+    """``<out_dir>-adapter`` in peft's format from the engine's whole state dict (None where the adapters include
+    fused expert tensors, which the folder's full-path targets cannot name)."""
+    from deepzero.adapters.merge import Adapters, write_adapter
+
+    if config.target_parameters:
+        return None
+    adapters = {k: v for k, v in state_dict.items() if is_adapter_param(k)}
+    folder = out_dir.with_name(f"{out_dir.name}-adapter")
+    spec = Adapters.from_state(adapters, config.r, config.lora_alpha, config.lora_dropout)
+    write_adapter(spec, config.base_model_name_or_path or "", folder)
+    return folder
+
+
+def load_adapter(base: torch.nn.Module, folder: str | Path) -> torch.nn.Module:
+    """``PeftModel.from_pretrained(base, folder)`` with peft's transformers-4 → 5 MoE target rewrite off: what stock
+    peft 0.21 needs for adapters on the dense or shared-expert MLP of DeepSeek/Qwen-MoE bases (huggingface/peft#3711;
+    its fix keeps full-path targets as written, the form the folders here use)."""
+    from peft import PeftModel
+
+    with _no_v4_target_remap():
+        return PeftModel.from_pretrained(base, folder)
 
 
 def _rank() -> int:

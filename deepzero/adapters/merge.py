@@ -1,0 +1,409 @@
+"""Trained LoRA adapters merged into the 16-bit base shard by shard, and the adapters alone in peft's format.
+
+The base is never held whole: each safetensors shard of the model source is read tensor by tensor, every adapted
+weight becomes W + (alpha / r) · B · A (summed in fp32, rounded once to W's dtype), the output shard is written
+under the same file name and freed before the next one. Host memory stays near one shard plus the adapters, whatever
+the model's size. The index, config.json and generation_config.json are the source's own (a quantisation section
+removed); the tokenizer is written by its ``save_pretrained``.
+
+The check reads the written files again, one tensor at a time: every adapted tensor must equal the source's own
+tensor plus its adapter's product to the dtype's rounding, every other tensor its source byte for byte. Where the
+base is small (``LOGIT_CHECK_BYTES``) the merged folder is also loaded by plain Transformers and its logits compared
+with the source loaded by stock peft with the written adapter folder applied unmerged: the round trip a user makes.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+import shutil
+import threading
+import time
+from collections.abc import Iterator
+from contextlib import contextmanager
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import torch
+from safetensors import safe_open
+from safetensors.torch import save_file
+
+from deepzero.errors import UserError
+
+ADAPTER_KEY = re.compile(r"^(?:base_model\.model\.)?(?P<module>.+)\.lora_(?P<which>[AB])(?:\.default)?\.weight$")
+"""An adapter tensor's name, as the engine's peft model holds it or as peft saves it."""
+LOGIT_CHECK_BYTES = 4 << 30
+"""Bases up to this size also get the logit round trip (it holds the merged model and the base at once)."""
+SINGLE_FILE = "model.safetensors"
+INDEX_FILE = "model.safetensors.index.json"
+COPIED_FILES = ("generation_config.json",)
+
+
+@dataclass(frozen=True)
+class Adapters:
+    """LoRA adapters by the module they adapt: A [r, in] and B [out, r] in fp32, scaled by alpha / r."""
+
+    pairs: dict[str, tuple[torch.Tensor, torch.Tensor]]
+    r: int
+    alpha: float
+    dropout: float = 0.0
+
+    @classmethod
+    def from_state(cls, state: dict[str, torch.Tensor], r: int, alpha: float, dropout: float = 0.0) -> Adapters:
+        """From adapter tensors named as the engine's peft model (or a ZeRO checkpoint of it) names them."""
+        halves: dict[str, dict[str, torch.Tensor]] = {}
+        for name, tensor in state.items():
+            match = ADAPTER_KEY.match(name)
+            if match is None:
+                raise ValueError(f"not a LoRA adapter tensor: {name}")
+            halves.setdefault(match["module"], {})[match["which"]] = tensor.detach().float().cpu()
+        if broken := [m for m, h in halves.items() if set(h) != {"A", "B"}]:
+            raise ValueError(f"adapters without both A and B: {broken[:3]}")
+        return cls({m: (h["A"], h["B"]) for m, h in sorted(halves.items())}, r, float(alpha), dropout)
+
+    @property
+    def scale(self) -> float:
+        return self.alpha / self.r
+
+    def delta(self, module: str) -> torch.Tensor:
+        """(alpha / r) · B · A in fp32: what merging adds to ``module``'s weight."""
+        a, b = self.pairs[module]
+        return self.scale * (b @ a)
+
+    def merged(self, module: str, weight: torch.Tensor) -> torch.Tensor:
+        """``weight`` + the adapter's product, summed in fp32 and rounded once to ``weight``'s dtype."""
+        return (weight.float() + self.delta(module)).to(weight.dtype)
+
+    def peft_config(self, source: str) -> Any:
+        """peft's LoraConfig naming every adapted module by its full path (never by a leaf name that peft's
+        transformers-4 → 5 rewrite could reinterpret: the form huggingface/peft#3715 keeps as written)."""
+        from peft import LoraConfig
+
+        return LoraConfig(
+            r=self.r,
+            lora_alpha=self.alpha,
+            lora_dropout=self.dropout,
+            target_modules=list(self.pairs),
+            bias="none",
+            task_type="CAUSAL_LM",
+            base_model_name_or_path=source,
+        )
+
+    def peft_state(self) -> dict[str, torch.Tensor]:
+        """The tensors under the names peft saves (``base_model.model.<module>.lora_A.weight``)."""
+        out = {}
+        for module, (a, b) in self.pairs.items():
+            out[f"base_model.model.{module}.lora_A.weight"] = a.contiguous()
+            out[f"base_model.model.{module}.lora_B.weight"] = b.contiguous()
+        return out
+
+
+def write_adapter(adapters: Adapters, source: str, folder: Path) -> None:
+    """``folder`` in peft's format (adapter_config.json, adapter_model.safetensors), published atomically."""
+    tmp = folder.with_name(f"{folder.name}.partial")
+    shutil.rmtree(tmp, ignore_errors=True)
+    tmp.mkdir(parents=True)
+    adapters.peft_config(source).save_pretrained(tmp)
+    save_file(adapters.peft_state(), tmp / "adapter_model.safetensors", metadata={"format": "pt"})
+    _publish(tmp, folder)
+
+
+@dataclass(frozen=True)
+class BaseFiles:
+    """The safetensors weights of a model source: its shards (one file, or those an index names) and its config."""
+
+    shards: list[Path]
+    index: Path | None
+    config: Path
+
+    @property
+    def bytes(self) -> int:
+        return sum(p.stat().st_size for p in self.shards)
+
+
+def base_files(source: str) -> BaseFiles:
+    """The source's files on this machine: a local folder, or a hub id's files in the local cache (downloaded if
+    the hub is reachable). One line when it has no safetensors weights."""
+    from transformers.utils import cached_file
+
+    def find(name: str) -> Path | None:
+        found = cached_file(source, name, _raise_exceptions_for_missing_entries=False)
+        return Path(found) if found else None
+
+    config = find("config.json")
+    index = find(INDEX_FILE)
+    if index is not None:
+        names = sorted(set(json.loads(index.read_text())["weight_map"].values()))
+        shards = [find(name) for name in names]
+        if any(s is None for s in shards):
+            raise UserError(str(index), "names shards that are not there", "download the whole model folder")
+        return BaseFiles([s for s in shards if s is not None], index, config or index.with_name("config.json"))
+    single = find(SINGLE_FILE)
+    if single is None or config is None:
+        raise UserError(
+            source,
+            "holds no safetensors weights (model.safetensors or its index), which the export merges shard by shard",
+            "save the 16-bit base with save_pretrained (safetensors) and export again",
+        )
+    return BaseFiles([single], None, config)
+
+
+@dataclass
+class MergeCheck:
+    """What the export checked, and what it measured, for the ``[export]`` record."""
+
+    tensors: int = 0
+    merged: int = 0
+    """Adapted tensors, each equal to W + (alpha / r) · B · A to its dtype's rounding."""
+    unchanged: int = 0
+    """Every other tensor, byte-equal to the source's."""
+    moved: int = 0
+    """Adapted tensors whose merge changed at least one element (0: the adapters are below the dtype's rounding)."""
+    largest_shard_bytes: int = 0
+    base_bytes: int = 0
+    logit_check: str = "skipped"
+    problems: list[str] = field(default_factory=list)
+
+
+def merge_files(files: BaseFiles, adapters: Adapters, out: Path) -> MergeCheck:
+    """Every shard of ``files`` with ``adapters`` merged, written to ``out`` under its own name, one at a time."""
+    check = MergeCheck(base_bytes=files.bytes, largest_shard_bytes=max(p.stat().st_size for p in files.shards))
+    placed: set[str] = set()
+    for shard in files.shards:
+        tensors: dict[str, torch.Tensor] = {}
+        with safe_open(shard, framework="pt") as f:
+            metadata = f.metadata() or {"format": "pt"}
+            for key in f.keys():  # noqa: SIM118 (safe_open is no dict)
+                tensor = f.get_tensor(key)
+                module = key.removesuffix(".weight")
+                if key.endswith(".weight") and module in adapters.pairs:
+                    tensor = adapters.merged(module, tensor)
+                    placed.add(module)
+                tensors[key] = tensor
+        save_file(tensors, out / shard.name, metadata=metadata)
+        del tensors
+    if missing := sorted(set(adapters.pairs) - placed):
+        raise UserError(
+            str(files.shards[0].parent),
+            f"the base's files hold no weight for {len(missing)} adapted modules (e.g. {missing[0]}.weight)",
+            "export from the model folder the run trained on (its run_config.json names it)",
+        )
+    if files.index is not None:
+        shutil.copyfile(files.index, out / INDEX_FILE)
+    config = json.loads(files.config.read_text())
+    config.pop("quantization_config", None)
+    (out / "config.json").write_text(json.dumps(config, indent=2, sort_keys=True) + "\n")
+    for name in COPIED_FILES:
+        if (extra := files.config.with_name(name)).is_file():
+            shutil.copyfile(extra, out / name)
+    return check
+
+
+def check_files(files: BaseFiles, adapters: Adapters, out: Path, check: MergeCheck) -> MergeCheck:
+    """Read the written shards again beside the source's, one tensor at a time (see the module docstring)."""
+    for shard in files.shards:
+        with safe_open(shard, framework="pt") as source, safe_open(out / shard.name, framework="pt") as written:
+            if set(source.keys()) != set(written.keys()):
+                check.problems.append(f"{shard.name}: other tensor names than the source's")
+                continue
+            for key in source.keys():  # noqa: SIM118
+                check.tensors += 1
+                original, exported = source.get_tensor(key), written.get_tensor(key)
+                module = key.removesuffix(".weight")
+                if key.endswith(".weight") and module in adapters.pairs:
+                    if not _within_rounding(exported, original.float() + adapters.delta(module)):
+                        check.problems.append(f"{key} is not W + (alpha/r)·B·A")
+                    check.merged += 1
+                    check.moved += int(not torch.equal(exported, original))
+                elif exported.dtype != original.dtype or not torch.equal(exported, original):
+                    check.problems.append(f"{key} differs from the source's")
+                else:
+                    check.unchanged += 1
+    return check
+
+
+def _within_rounding(exported: torch.Tensor, exact: torch.Tensor) -> bool:
+    """Every element of ``exported`` is ``exact`` rounded to ``exported``'s dtype (half an ulp, with slack)."""
+    if exported.shape != exact.shape:
+        return False
+    ulp = torch.finfo(exported.dtype).eps * exact.abs().clamp(min=torch.finfo(exported.dtype).tiny)
+    return bool(((exported.float() - exact).abs() <= ulp).all())
+
+
+@torch.no_grad()
+def round_trip_logits(
+    out: Path, source: str, adapters: Adapters, adapter_dir: Path, input_ids: torch.Tensor, attn: str
+) -> tuple[torch.Tensor, str]:
+    """|merged − the source with the adapter folder applied by stock peft (unmerged)| per logit, in the files'
+    dtype, and what peft did with the folder. Where stock peft wraps other modules than were adapted (its
+    transformers-4 → 5 rewrite of MoE targets, huggingface/peft#3711), the comparison loads the folder as
+    ``deepzero.adapters.lora.load_adapter`` does and the note says so."""
+    import peft
+    from transformers import AutoModelForCausalLM
+
+    from deepzero.adapters.lora import load_adapter
+
+    merged = AutoModelForCausalLM.from_pretrained(out, dtype="auto", attn_implementation=attn).eval()
+    logits = merged(input_ids=input_ids).logits.float()
+    del merged
+    base = AutoModelForCausalLM.from_pretrained(source, dtype="auto", attn_implementation=attn)
+    unmerged = peft.PeftModel.from_pretrained(base, adapter_dir).eval()
+    wrapped = {n for n, m in unmerged.get_base_model().named_modules() if hasattr(m, "lora_A")}
+    note = f"stock peft {peft.__version__} loads it as trained"
+    if wrapped != set(adapters.pairs):
+        note = (
+            f"stock peft {peft.__version__} wraps {len(wrapped & set(adapters.pairs))} of the {len(adapters.pairs)}"
+            " adapted modules (its MoE target rewrite, huggingface/peft#3711): load the folder with"
+            " deepzero.adapters.lora.load_adapter, or load the merged folder"
+        )
+        base = AutoModelForCausalLM.from_pretrained(source, dtype="auto", attn_implementation=attn)
+        unmerged = load_adapter(base, adapter_dir).eval()
+    return (logits - unmerged(input_ids=input_ids).logits.float()).abs(), note
+
+
+@dataclass(frozen=True)
+class MergedExport:
+    """The ``[export]`` record of a merge into the 16-bit base."""
+
+    path: str
+    adapter_path: str
+    dtype: str
+    tensors: int
+    merged_tensors: int
+    moved_tensors: int
+    unchanged_tensors: int
+    base_bytes: int
+    largest_shard_bytes: int
+    peak_host_bytes: int
+    """The exporting process's largest resident memory above its level when the export began (sampled)."""
+    logit_check: str
+    peft: str
+    """How stock peft reads the adapter folder (the logit check's finding; "not checked" without it)."""
+    median_token_logit_diff: float | None
+    max_abs_logit_diff: float | None
+    tolerance: float
+    problems: tuple[str, ...]
+    compared_with: str = "the source's tensors plus the adapters (each tensor), and stock peft unmerged (logits)"
+
+    @property
+    def ok(self) -> bool:
+        logits = self.median_token_logit_diff is None or self.median_token_logit_diff <= self.tolerance
+        return not self.problems and logits
+
+    @property
+    def why(self) -> str:
+        """What failed, in one line (for a report that is not ``ok``)."""
+        if self.problems:
+            return f"the merged files are not the base plus the adapters ({'; '.join(self.problems[:3])})"
+        return (
+            f"the merged folder's logits differ from the base with the adapters applied unmerged: median token"
+            f" {self.median_token_logit_diff:.3g} > tolerance {self.tolerance:.3g} ({self.dtype})"
+        )
+
+
+ROUNDING = {torch.float32: 1e-4, torch.float16: 1e-2, torch.bfloat16: 5e-2}
+"""Median per-token max |Δlogit| allowed between merged weights and the same adapters applied unmerged."""
+
+
+def export_merged(
+    source: str,
+    adapters: Adapters,
+    tokenizer: Any,
+    out_dir: Path,
+    input_ids: torch.Tensor,
+    attn: str = "sdpa",
+    logit_check_bytes: int = LOGIT_CHECK_BYTES,
+) -> MergedExport:
+    """``out_dir`` (the merged model, plain Transformers) and ``<out_dir>-adapter`` (peft) from the source's files,
+    checked, each published atomically. One process; host memory near one shard plus the adapters."""
+    files = base_files(source)
+    adapter_dir = out_dir.with_name(f"{out_dir.name}-adapter")
+    tmp = out_dir.with_name(f"{out_dir.name}.partial")
+    with peak_rss() as peak:  # the merge's own memory (the logit check below holds two whole small models)
+        write_adapter(adapters, source, adapter_dir)
+        shutil.rmtree(tmp, ignore_errors=True)
+        tmp.mkdir(parents=True)
+        check = merge_files(files, adapters, tmp)
+        if tokenizer is not None:
+            tokenizer.save_pretrained(tmp)
+        check = check_files(files, adapters, tmp, check)
+    if check.problems:  # left under its .partial name for a look, never published
+        out_dir = tmp
+    else:
+        _publish(tmp, out_dir)
+    diff, note = None, "not checked"
+    if check.base_bytes <= logit_check_bytes and not check.problems:
+        vocab = json.loads((out_dir / "config.json").read_text()).get("vocab_size")
+        ids = input_ids.cpu()
+        ids = ids[:, ids[0] < vocab] if vocab else ids  # tokens added beyond the base's vocabulary are not in it
+        diff, note = round_trip_logits(out_dir, source, adapters, adapter_dir, ids, attn)
+        check.logit_check = "merged folder vs the source with the adapter folder applied by peft, unmerged"
+    else:
+        check.logit_check = f"skipped: the base is {check.base_bytes / 2**30:.1f} GiB (> {logit_check_bytes >> 30} GiB)"
+    dtype = _dtype_of(files)
+    return MergedExport(
+        path=str(out_dir),
+        adapter_path=str(adapter_dir),
+        dtype=str(dtype).removeprefix("torch."),
+        tensors=check.tensors,
+        merged_tensors=check.merged,
+        moved_tensors=check.moved,
+        unchanged_tensors=check.unchanged,
+        base_bytes=check.base_bytes,
+        largest_shard_bytes=check.largest_shard_bytes,
+        peak_host_bytes=peak.bytes,
+        logit_check=check.logit_check,
+        peft=note,
+        median_token_logit_diff=None if diff is None else diff.amax(-1).median().item(),
+        max_abs_logit_diff=None if diff is None else diff.max().item(),
+        tolerance=ROUNDING.get(dtype, 1e-4),
+        problems=tuple(check.problems[:5]),
+    )
+
+
+def _dtype_of(files: BaseFiles) -> torch.dtype:
+    """The dtype of the source's first floating-point weight (what the merged tensors are rounded to)."""
+    for shard in files.shards:
+        with safe_open(shard, framework="pt") as f:
+            for key in f.keys():  # noqa: SIM118
+                if (t := f.get_slice(key)).get_dtype() in ("BF16", "F16", "F32"):
+                    return {"BF16": torch.bfloat16, "F16": torch.float16, "F32": torch.float32}[t.get_dtype()]
+    return torch.float32
+
+
+def _publish(tmp: Path, final: Path) -> None:
+    if final.exists():
+        shutil.rmtree(final)
+    os.replace(tmp, final)
+
+
+class _Peak:
+    bytes = 0
+
+
+@contextmanager
+def peak_rss(interval: float = 0.005) -> Iterator[_Peak]:
+    """This process's largest resident memory above its level at entry, sampled every ``interval`` seconds."""
+    peak, stop = _Peak(), threading.Event()
+    start = _rss()
+
+    def sample() -> None:
+        while not stop.is_set():
+            peak.bytes = max(peak.bytes, _rss() - start)
+            time.sleep(interval)
+
+    thread = threading.Thread(target=sample, daemon=True)
+    thread.start()
+    try:
+        yield peak
+    finally:
+        stop.set()
+        thread.join()
+        peak.bytes = max(peak.bytes, _rss() - start)
+
+
+def _rss() -> int:
+    with open("/proc/self/statm") as f:
+        return int(f.read().split()[1]) * os.sysconf("SC_PAGE_SIZE")
