@@ -77,11 +77,12 @@ def run(name: str, base: Path, data: Path, out: Path) -> dict[str, Any]:
 
 
 def export_gap(line: str | None) -> str:
-    """The export check's figures from its ``[export]`` line: the median per-token max |Δlogit| against the engine
-    and, for a 4-bit base, the base's own gap (16-bit base vs 4-bit engine, adapters off); else the max |Δlogit|."""
+    """The export check's figures from its ``[export]`` line: for a 4-bit base, the merged folder against the
+    16-bit base with the adapter folder applied unmerged (median per-token max |Δlogit|); else the max |Δlogit|
+    against the engine."""
     fields = dict(re.findall(r"(\w+)=(\S+)", line or ""))
-    if "base_median_token_logit_diff" in fields:
-        return f"{fields['median_token_logit_diff']} (base's 4-bit gap {fields['base_median_token_logit_diff']})"
+    if "merged_tensors" in fields:
+        return f"{fields['median_token_logit_diff']} (merged vs unmerged, {fields['merged_tensors']} tensors merged)"
     return f"max {fields.get('max_abs_logit_diff', '?')} ({fields.get('dtype', '?')})"
 
 
