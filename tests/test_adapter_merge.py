@@ -14,7 +14,8 @@ import torch
 from transformers import AutoModelForCausalLM, LlamaConfig, Qwen2Config
 
 from deepzero.adapters import merge
-from deepzero.adapters.lora import LoraSpec, apply_lora, load_adapter
+from deepzero.adapters.lora import LoraSpec, apply_lora
+from deepzero.adapters.merge import load_adapter
 from deepzero.presets import get_preset
 
 R = 4

@@ -22,7 +22,7 @@ from hypothesis import strategies as st
 from deepzero import precision
 from deepzero.dsconfig import TrainingHints, resolve
 from deepzero.errors import UserError
-from deepzero.export import ExportReport
+from deepzero.hf_export import ExportReport
 from deepzero.precision import DeviceKernels, decide
 
 NO_16BIT_CPU = DeviceKernels("cpu", "Old CPU", fp16=False, bf16=False, detail="no avx512_fp16/amx_fp16, no avx512_bf16")

@@ -30,11 +30,9 @@ peft.
 
 from __future__ import annotations
 
-import contextlib
 import copy
 import difflib
 import os
-from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -43,15 +41,16 @@ import torch
 import torch.distributed as dist
 
 from deepzero import modeling
+from deepzero.adapters.merge import Adapters, no_v4_target_remap, write_adapter
 from deepzero.errors import UserError
-from deepzero.export import (
+from deepzero.flops import count_params
+from deepzero.hf_export import (
     ExportReport,
     attn_implementation_of,
     consolidated_state_dict,
     eval_logits,
     publish_and_compare,
 )
-from deepzero.flops import count_params
 
 FLAG = "--lora"
 KEYS = ("r", "alpha", "dropout", "targets")
@@ -251,27 +250,11 @@ def lora_config(spec: LoraSpec, targets: Targets) -> Any:
     )
 
 
-@contextlib.contextmanager
-def _no_v4_target_remap() -> Iterator[None]:
-    """Switch off peft's transformers-4 → 5 MoE target rewrite while injecting (see the module docstring)."""
-    try:
-        from peft.utils import transformers_weight_conversion as conversion
-    except ImportError:  # a peft without the rewrite
-        yield
-        return
-    saved = conversion.convert_peft_config_for_transformers
-    conversion.convert_peft_config_for_transformers = lambda *args, **kwargs: None
-    try:
-        yield
-    finally:
-        conversion.convert_peft_config_for_transformers = saved
-
-
 def wrap(model: torch.nn.Module, config: Any) -> torch.nn.Module:
     """``peft.get_peft_model`` with the targets taken literally (no transformers-4 rewrite)."""
     from peft import get_peft_model
 
-    with _no_v4_target_remap():
+    with no_v4_target_remap():
         return get_peft_model(model, config)
 
 
@@ -429,8 +412,6 @@ def export_lora_hf(
 def _write_adapter_folder(state_dict: dict[str, torch.Tensor], config: Any, out_dir: Path) -> Path | None:
     """``<out_dir>-adapter`` in peft's format from the engine's whole state dict (None where the adapters include
     fused expert tensors, which the folder's full-path targets cannot name)."""
-    from deepzero.adapters.merge import Adapters, write_adapter
-
     if config.target_parameters:
         return None
     adapters = {k: v for k, v in state_dict.items() if is_adapter_param(k)}
@@ -438,16 +419,6 @@ def _write_adapter_folder(state_dict: dict[str, torch.Tensor], config: Any, out_
     spec = Adapters.from_state(adapters, config.r, config.lora_alpha, config.lora_dropout)
     write_adapter(spec, config.base_model_name_or_path or "", folder)
     return folder
-
-
-def load_adapter(base: torch.nn.Module, folder: str | Path) -> torch.nn.Module:
-    """``PeftModel.from_pretrained(base, folder)`` with peft's transformers-4 → 5 MoE target rewrite off: what stock
-    peft 0.21 needs for adapters on the dense or shared-expert MLP of DeepSeek/Qwen-MoE bases (huggingface/peft#3711;
-    its fix keeps full-path targets as written, the form the folders here use)."""
-    from peft import PeftModel
-
-    with _no_v4_target_remap():
-        return PeftModel.from_pretrained(base, folder)
 
 
 def _rank() -> int:

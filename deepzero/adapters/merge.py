@@ -14,6 +14,7 @@ with the source loaded by stock peft with the written adapter folder applied unm
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import re
@@ -232,6 +233,34 @@ def _within_rounding(exported: torch.Tensor, exact: torch.Tensor) -> bool:
     return bool(((exported.float() - exact).abs() <= ulp).all())
 
 
+@contextlib.contextmanager
+def no_v4_target_remap() -> Iterator[None]:
+    """Switch off peft's transformers-4 → 5 MoE target rewrite while injecting: on DeepSeek/Qwen-MoE bases it maps
+    every gate_proj/up_proj/down_proj target onto the fused routed experts, dropping the dense and shared-expert
+    Linears (huggingface/peft#3711, open in peft 0.21.2)."""
+    try:
+        from peft.utils import transformers_weight_conversion as conversion
+    except ImportError:  # a peft without the rewrite
+        yield
+        return
+    saved = conversion.convert_peft_config_for_transformers
+    conversion.convert_peft_config_for_transformers = lambda *args, **kwargs: None
+    try:
+        yield
+    finally:
+        conversion.convert_peft_config_for_transformers = saved
+
+
+def load_adapter(base: torch.nn.Module, folder: str | Path) -> torch.nn.Module:
+    """``PeftModel.from_pretrained(base, folder)`` with peft's MoE target rewrite off (:func:`no_v4_target_remap`):
+    what stock peft 0.21 needs for adapters on the dense or shared-expert MLP of DeepSeek/Qwen-MoE bases; its fix
+    (huggingface/peft#3715) keeps full-path targets as written, the form the folders here use."""
+    from peft import PeftModel
+
+    with no_v4_target_remap():
+        return PeftModel.from_pretrained(base, folder)
+
+
 @torch.no_grad()
 def round_trip_logits(
     out: Path, source: str, adapters: Adapters, adapter_dir: Path, input_ids: torch.Tensor, attn: str
@@ -239,11 +268,9 @@ def round_trip_logits(
     """|merged − the source with the adapter folder applied by stock peft (unmerged)| per logit, in the files'
     dtype, and what peft did with the folder. Where stock peft wraps other modules than were adapted (its
     transformers-4 → 5 rewrite of MoE targets, huggingface/peft#3711), the comparison loads the folder as
-    ``deepzero.adapters.lora.load_adapter`` does and the note says so."""
+    ``deepzero.adapters.merge.load_adapter`` does and the note says so."""
     import peft
     from transformers import AutoModelForCausalLM
-
-    from deepzero.adapters.lora import load_adapter
 
     merged = AutoModelForCausalLM.from_pretrained(out, dtype="auto", attn_implementation=attn).eval()
     logits = merged(input_ids=input_ids).logits.float()
@@ -256,7 +283,7 @@ def round_trip_logits(
         note = (
             f"stock peft {peft.__version__} wraps {len(wrapped & set(adapters.pairs))} of the {len(adapters.pairs)}"
             " adapted modules (its MoE target rewrite, huggingface/peft#3711): load the folder with"
-            " deepzero.adapters.lora.load_adapter, or load the merged folder"
+            " deepzero.adapters.merge.load_adapter, or load the merged folder"
         )
         base = AutoModelForCausalLM.from_pretrained(source, dtype="auto", attn_implementation=attn)
         unmerged = load_adapter(base, adapter_dir).eval()

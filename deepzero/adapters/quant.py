@@ -26,7 +26,7 @@ from deepzero import modeling
 from deepzero.adapters.merge import Adapters, MergedExport, export_merged
 from deepzero.distributed import while_one_rank_works
 from deepzero.errors import UserError
-from deepzero.export import attn_implementation_of
+from deepzero.hf_export import attn_implementation_of
 
 FLAG = "--load-in-4bit"
 SECTION = "quantization"

@@ -10,7 +10,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from deepzero.export import ExportReport
+from deepzero.hf_export import ExportReport
 from deepzero.losses.objectives import LanguageModeling, Objective
 
 ModelFactory = Callable[[], nn.Module]

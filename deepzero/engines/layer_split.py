@@ -18,7 +18,7 @@ from deepspeed.runtime import lr_schedules
 from deepzero.dsconfig import BatchMath
 from deepzero.engines.base import Batch, ModelFactory, draw, mean_eval_loss
 from deepzero.errors import UserError
-from deepzero.export import ExportReport, export_hf
+from deepzero.hf_export import ExportReport, export_hf
 from deepzero.losses.lm import lm_loss, loss_normalizer
 from deepzero.losses.objectives import LanguageModeling
 from deepzero.modeling import cast_parameters

@@ -42,7 +42,7 @@ from deepzero.data import IGNORE_INDEX
 from deepzero.dsconfig import BatchMath
 from deepzero.engines.base import Batch, DeepSpeedBacked, ModelFactory, draw
 from deepzero.errors import UserError
-from deepzero.export import ExportReport, attn_implementation_of, publish_and_compare
+from deepzero.hf_export import ExportReport, attn_implementation_of, publish_and_compare
 from deepzero.losses import TiledLoss, tiled_cross_entropy
 from deepzero.losses.lm import loss_normalizer
 from deepzero.losses.objectives import LanguageModeling

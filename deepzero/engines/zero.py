@@ -31,7 +31,7 @@ from deepzero.adapters.partitioned_load import fingerprint, load_partitioned
 from deepzero.dsconfig import BatchMath
 from deepzero.engines.base import Batch, DeepSpeedBacked, ModelFactory, mean_eval_loss
 from deepzero.errors import UserError
-from deepzero.export import ExportReport, export_hf
+from deepzero.hf_export import ExportReport, export_hf
 from deepzero.losses.objectives import Objective, PreferenceSettings, build_objective
 
 Exporter = Callable[[Any, Any, Path, Batch], "ExportReport | None"]

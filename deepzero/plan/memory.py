@@ -21,6 +21,12 @@ FRAGMENTATION = 0.05
 """Share of allocated bytes the caching allocator loses to fragmentation."""
 HOST_PER_RANK = 3 * GiB
 """Host RAM of one training process before any model bytes (Python, torch, CUDA host state)."""
+PUBLISHED_SHARD_BYTES = 9 * 10**9
+"""The largest safetensors shard of the published bases the QLoRA export reads (R1-Distill-Qwen-32B: 8 files and
+R1-Distill-Llama-70B: 17 files of at most ~8.7 GB)."""
+EXPORT_SHARDS = 4
+"""Shards the shard-by-shard export holds at once: measured about 3-4.4 (the input mapped, the output being built,
+its write; bench/export_memory)."""
 
 
 def gib(n: float) -> str:
@@ -298,7 +304,15 @@ def host_bytes(stats: ModelStats, setup: Setup, rs: RankStates) -> tuple[int, in
             (p + quant.QUANTISE_BYTES) * n for n in stats.four_bit_numels()
         ]
         load = four_bit_base_bytes(stats, setup, adapters=False) + max(reading)
-    return procs * HOST_PER_RANK + max(load, host_states), host_states, load
+    export = export_host_bytes(stats, setup) if setup.four_bit else 0  # rank 0, once the others only wait
+    return procs * HOST_PER_RANK + max(load, host_states, export), host_states, load
+
+
+def export_host_bytes(stats: ModelStats, setup: Setup) -> int:
+    """Host bytes of the QLoRA export (``deepzero.adapters.merge``): a few shards of the 16-bit base at once plus
+    the adapters, whatever the model's size."""
+    shard = min(PUBLISHED_SHARD_BYTES, setup.bytes_per_value * stats.total)
+    return EXPORT_SHARDS * shard + _adapter_bytes(stats, setup)
 
 
 def estimate(stats: ModelStats, setup: Setup) -> Estimate:
