@@ -32,14 +32,16 @@ def export_checkpoint(
     tag: str | None = None,
     model_config: str | None = None,
     tokenizer: str | None = None,
-    dtype: str = "fp32",
+    dtype: str | None = None,
     trust_remote_code: bool = False,
 ) -> tuple[Path, int]:
-    """Turn any ZeRO-1/2/3 checkpoint into a Hugging Face folder (safetensors) from its fp32 master weights.
+    """Turn any ZeRO-1/2/3 checkpoint into a Hugging Face folder (safetensors) from its fp32 master weights (in
+    ``dtype``, default fp32; a LoRA run's adapters merged).
 
     Works offline, on one CPU process, for any world size that wrote the checkpoint (DeepSpeed's zero_to_fp32).
     The architecture comes from ``model_config`` (a folder or a preset), else the run's ``hf/config.json``, else
-    the ``--model`` recorded in the run's ``run_config.json``. Returns the folder and the number of tensors.
+    the ``--model`` recorded in the run's ``run_config.json``. A run over a 4-bit base exports as its own export
+    does (:func:`export_four_bit_run`). Returns the folder and the number of tensors.
     """
     from deepzero.checkpoint import latest_tag
     from deepzero.errors import UserError
@@ -54,15 +56,26 @@ def export_checkpoint(
         raise UserError(str(ckpt_dir / tag), "no such checkpoint folder", f"pick a tag from {ckpt_dir}")
     if is_universal(ckpt_dir / tag):
         raise UserError(str(ckpt_dir / tag), "is a universal checkpoint", "export the ZeRO checkpoint it came from")
-    run_args = _run_args(run_dir)
-    config, random_init = _export_config(run_dir, run_args, model_config, trust_remote_code)
+    run_config = _run_config(run_dir)
+    run_args = run_config.get("args", {})
     tok = _export_tokenizer(run_dir, run_args, tokenizer, model_config, trust_remote_code)
+    if run_config.get("four_bit"):
+        if dtype is not None:
+            raise UserError(
+                f"--dtype {dtype}",
+                "a run over a 4-bit base exports into its 16-bit base's own dtype",
+                "drop --dtype",
+            )
+        return export_four_bit_run(ckpt_dir, tag, out_dir, run_config, tok, model_config)
+    config, random_init = _export_config(run_dir, run_args, model_config, trust_remote_code)
     if random_init:
         config.vocab_size = len(tok)  # as the trainer built it (modeling.build_model)
     elif len(tok) > config.vocab_size:
         config.vocab_size = len(tok)
     state_dict = _fp32_state_dict(ckpt_dir, tag)
-    target = TORCH_DTYPES[dtype]
+    target = TORCH_DTYPES[dtype or "fp32"]
+    if run_args.get("lora"):  # peft's names (base_layer, lora_A/B): merged into the plain model's
+        state_dict = _merged_lora_state(state_dict, run_args["lora"], config, ckpt_dir / tag)
     with torch.device("meta"):
         model = AutoModelForCausalLM.from_config(config, dtype=target, trust_remote_code=trust_remote_code)
     params = {name for name, _ in model.named_parameters(remove_duplicate=False)}
@@ -81,11 +94,57 @@ def export_checkpoint(
     return out_dir, count
 
 
-def _run_args(run_dir: Path) -> dict[str, Any]:
+def _run_config(run_dir: Path) -> dict[str, Any]:
     import json
 
     path = run_dir / "run_config.json"
-    return json.loads(path.read_text()).get("args", {}) if path.is_file() else {}
+    return json.loads(path.read_text()) if path.is_file() else {}
+
+
+def _merged_lora_state(
+    state_dict: dict[str, torch.Tensor], lora: str, config: Any, where: Path
+) -> dict[str, torch.Tensor]:
+    """A LoRA run's fp32 state dict (peft names) with its adapters merged, under the plain model's names."""
+    from deepzero.adapters.lora import LoraSpec, lora_config, merged_model, resolve_targets
+    from deepzero.errors import UserError
+
+    spec = LoraSpec.parse(lora)
+    with torch.device("meta"):
+        targets = resolve_targets(AutoModelForCausalLM.from_config(copy.deepcopy(config)), spec)
+    try:
+        merged = merged_model(state_dict, lora_config(spec, targets), config)
+    except RuntimeError as err:
+        raise UserError(
+            str(where),
+            f"the LoRA weights do not fit the model config ({str(err).strip().splitlines()[-1][:200]})",
+            "pass --model-config with the architecture that was trained",
+        ) from None
+    return merged.state_dict()
+
+
+def export_four_bit_run(
+    ckpt_dir: Path, tag: str, out_dir: Path, run_config: dict[str, Any], tokenizer: Any, model_config: str | None
+) -> tuple[Path, int]:
+    """A QLoRA checkpoint (the adapters only) merged into the 16-bit base read again from the run's model source
+    (or ``model_config``), shard by shard: the same folders as the run's own export (``out_dir`` and
+    ``<out_dir>-adapter``), the adapters taken as the engine held them (fp32 masters in the training dtype)."""
+    from deepzero.adapters.lora import LoraSpec, is_adapter_param
+    from deepzero.adapters.merge import Adapters, export_merged
+    from deepzero.errors import UserError
+    from deepzero.modeling import resolve_model
+
+    args = run_config["args"]
+    source = model_config or resolve_model(args["model"]).pretrained
+    training = TORCH_DTYPES[run_config["precision"]["dtype"]]
+    masters = _fp32_state_dict(ckpt_dir, tag)
+    state = {k: v.to(training) for k, v in masters.items() if is_adapter_param(k)}
+    spec = LoraSpec.parse(args["lora"])
+    adapters = Adapters.from_state(state, spec.r, spec.lora_alpha, spec.dropout)
+    probe = torch.tensor([tokenizer.encode("def export(checkpoint):\n    return merged")[:32] or [0]])
+    report = export_merged(str(source), adapters, tokenizer, out_dir, probe)
+    if not report.ok:
+        raise UserError(report.path, report.why, "export from the model folder the run trained on (--model-config)")
+    return Path(report.path), report.tensors
 
 
 def _export_config(
@@ -159,9 +218,13 @@ def main(argv: Sequence[str] | None = None) -> int:
     parser.add_argument("checkpoint", type=Path, help="run folder (--out of train.py) or its checkpoints folder")
     parser.add_argument("--tag", help="checkpoint to export (default: the one 'latest' names)")
     parser.add_argument("--out", type=Path, required=True, help="Hugging Face folder to write")
-    parser.add_argument("--model-config", help="folder with config.json, or a preset (default: from the run)")
+    parser.add_argument(
+        "--model-config", help="folder with config.json, or a preset (default: from the run; QLoRA: the 16-bit base)"
+    )
     parser.add_argument("--tokenizer", help="tokenizer folder or hub id (default: the one the run used)")
-    parser.add_argument("--dtype", choices=sorted(TORCH_DTYPES), default="fp32", help="dtype of the saved weights")
+    parser.add_argument(
+        "--dtype", choices=sorted(TORCH_DTYPES), help="dtype of the saved weights (default fp32; QLoRA: the base's)"
+    )
     parser.add_argument("--trust-remote-code", action="store_true", help="allow code from the model repo to run")
     args = parser.parse_args(argv)
     try:
@@ -171,7 +234,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     except UserError as err:
         print(f"error: {err}", file=sys.stderr)
         return 2
-    print(f"export: {n} tensors ({args.dtype}) from {args.checkpoint} -> {out}")
+    print(f"export: {n} tensors ({args.dtype or 'fp32 / the base dtype'}) from {args.checkpoint} -> {out}")
     return 0
 
 

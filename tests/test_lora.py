@@ -16,6 +16,7 @@ from deepspeed.utils.zero_to_fp32 import (
     get_model_state_files,
     parse_model_states,
 )
+from safetensors.torch import load_file
 from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer
 
 from deepzero.adapters.lora import LoraSpec, Targets, apply_lora, is_adapter_param, merged_model, resolve_targets
@@ -311,3 +312,32 @@ def test_merged_export_loads_without_peft_and_matches_the_engine(
     assert final["step"] == STEPS and len(batch_losses) == EVAL_BATCHES * world
     mean = sum(batch_losses) / len(batch_losses)
     assert mean == pytest.approx(final["val_loss"], rel=1e-2 if low else 1e-4), (mean, final)
+
+
+@pytest.mark.launcher
+def test_the_offline_export_merges_a_lora_checkpoint_and_the_adapter_folder_names_full_paths(
+    lora_run: tuple, tmp_path: Path
+) -> None:
+    """python -m deepzero.export of a LoRA checkpoint (peft's names): the adapters merged into the plain model's
+    names, equal to the run's own export to the export dtype's rounding. The run wrote hf-adapter with every adapted
+    module by its full path (not where fused expert tensors are adapted: full paths cannot name them)."""
+    from deepzero.export import main
+
+    name, out, _ = lora_run
+    dtype = "fp16" if precision(name) == "fp16" else "fp32"
+    assert main([str(out), "--out", str(tmp_path / "hf"), "--dtype", dtype]) == 0
+    ours = load_file(tmp_path / "hf" / "model.safetensors")
+    theirs = load_file(out / "hf" / "model.safetensors")
+    assert ours.keys() == theirs.keys() and not any(is_adapter_param(k) or "base_layer" in k for k in ours)
+    for key, tensor in ours.items():
+        scale = float(theirs[key].float().abs().max()) or 1.0
+        atol = scale * (2**-10 if dtype == "fp16" else 1e-6)
+        torch.testing.assert_close(tensor.float(), theirs[key].float(), rtol=0, atol=atol, msg=key)
+    (export,) = records(out, "export")
+    if name == "zero3":  # targets=experts: fused 3-D adapters
+        assert export["adapter_path"] == "" and not (out / "hf-adapter").exists()
+        return
+    assert export["adapter_path"] == str(out / "hf-adapter")
+    folder = json.loads((out / "hf-adapter" / "adapter_config.json").read_text())
+    wrapped = [n for n, _ in tiny().named_modules() if n.rsplit(".", 1)[-1] in ALL_LINEAR]
+    assert sorted(folder["target_modules"]) == sorted(wrapped) and len(wrapped) == WRAPPED[name]

@@ -251,3 +251,20 @@ def test_a_resume_on_another_base_or_world_size_stops_in_one_line(
     proc = launch([*args, "--model", str(base)], nproc=2, timeout=600, check=False)
     assert proc.returncode != 0
     assert "was saved by 3 data-parallel ranks, this run has 2; a checkpoint over a 4-bit base" in proc.stderr
+
+
+@pytest.mark.launcher
+def test_the_offline_export_of_a_qlora_checkpoint_gives_the_runs_own_folders(qlora_run: tuple, tmp_path: Path) -> None:
+    """python -m deepzero.export of the last checkpoint (adapters only): the same merged shards and adapter tensors,
+    byte for byte, as the run's own export; --dtype is refused in one line."""
+    from deepzero.export import main
+
+    _, _, out, *_ = qlora_run
+    assert main([str(out), "--out", str(tmp_path / "hf")]) == 0
+    for name in ("hf/model.safetensors", "hf-adapter/adapter_model.safetensors"):
+        ours, theirs = load_file(tmp_path / name), load_file(out / name)
+        assert ours.keys() == theirs.keys() and all(torch.equal(ours[k], theirs[k]) for k in ours), name
+    assert json.loads((tmp_path / "hf" / "config.json").read_text()) == json.loads(
+        (out / "hf" / "config.json").read_text()
+    )
+    assert main([str(out), "--out", str(tmp_path / "x"), "--dtype", "bf16"]) == 2
