@@ -35,6 +35,13 @@ class TrainArgs:
     tokenizer: str | None = field(
         default=None, **_help("Tokenizer folder or hub id. Default: the one the data was prepared with, else --model.")
     )
+    allow_tokenizer_change: bool = field(
+        default=False,
+        **_help(
+            "Train on data whose tokenizer is not --model's own (a deliberate change of vocabulary). Default: refused,"
+            " the ids would mean other tokens."
+        ),
+    )
     data: str = field(
         default=DEFAULT_DATA, **_help("Folder written by data/prepare.py (meta.json and its train-*/val-* shards).")
     )

@@ -208,6 +208,15 @@ def _fp32_state_dict(ckpt_dir: Path, tag: str) -> dict[str, torch.Tensor]:
         ) from None
 
 
+def _saved_dtype(folder: Path) -> str:
+    """The dtype ``folder/config.json`` records, as --dtype names it (fp32, bf16, fp16)."""
+    import json
+
+    recorded = json.loads((folder / "config.json").read_text()).get("dtype") or "float32"
+    names = {str(dtype).removeprefix("torch."): name for name, dtype in TORCH_DTYPES.items()}
+    return names.get(recorded, recorded)
+
+
 def main(argv: Sequence[str] | None = None) -> int:
     """``python -m deepzero.export CKPT_DIR --out HF_DIR``: one line on success, ``error: ...`` and 2 on bad input."""
     import argparse
@@ -234,7 +243,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     except UserError as err:
         print(f"error: {err}", file=sys.stderr)
         return 2
-    print(f"export: {n} tensors ({args.dtype or 'fp32 / the base dtype'}) from {args.checkpoint} -> {out}")
+    print(f"export: {n} tensors ({args.dtype or _saved_dtype(out)}) from {args.checkpoint} -> {out}")
     return 0
 
 

@@ -166,6 +166,7 @@ def plan_run(args: TrainArgs, world: int) -> RunPlan:
             f"re-run data/prepare.py with --seq-len {config.max_position_embeddings} or less",
         )
     tokenizer = plan_tokenizer(args, meta)
+    check_data_tokenizer(args, meta, source)
     vocab = len(tokenizer) if source.random_init else max(len(tokenizer), config.vocab_size)  # make_model's embedding
     train_data = open_split(args.data, "train", documents=args.packing == "documents", vocab_size=vocab)
     check_enough_rows(len(train_data), cfg.batch.global_batch // (grpo.num_generations if grpo else 1), "train")
@@ -274,6 +275,47 @@ def plan_tokenizer(args: TrainArgs, meta: dict[str, Any]) -> Any:
             "pass --tokenizer <the one the data was prepared with>, or re-run data/prepare.py with this tokenizer",
         )
     return tokenizer
+
+
+def check_data_tokenizer(args: TrainArgs, meta: dict[str, Any], source: modeling.ModelSource) -> None:
+    """One line when the data's ids come from another tokenizer than the pretrained model's own (its vocabulary and
+    special ids differ: the model would read each id as another token). Nothing to compare with a random-init
+    preset, a model folder without a tokenizer, or data prepared before meta.json recorded its tokenizer."""
+    saved = meta.get("tokenizer_identity")
+    if saved is None or source.random_init or args.allow_tokenizer_change:
+        return
+    assert source.pretrained is not None
+    try:
+        own = load_tokenizer_identity(source.pretrained, args.trust_remote_code, saved["tokens"])
+    except (OSError, ValueError, UserError):
+        return
+    if own["fingerprint"] != saved["fingerprint"]:
+        raise UserError(
+            f"{args.data}/meta.json",
+            f"the data was prepared with tokenizer {saved['name'] or '?'} ({saved['tokens']:,} tokens, fingerprint"
+            f" {saved['fingerprint']}), not --model {args.model}'s own ({own['tokens']:,} tokens, {own['fingerprint']}):"
+            " its ids would mean other tokens",
+            f"re-run data/prepare.py with --tokenizer {source.pretrained}, or pass --allow-tokenizer-change to train on"
+            " them anyway",
+        )
+
+
+TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "tokenizer.model", "vocab.json")
+"""A model source holds a tokenizer of its own when it has one of these."""
+
+
+def load_tokenizer_identity(spec: str, trust_remote_code: bool, tokens: int) -> dict[str, Any]:
+    """The identity of ``spec``'s own tokenizer over the first ``tokens`` ids (``deepzero.data.tokenizer.identity``):
+    its size is its whole vocabulary's, so a smaller one than the data's differs."""
+    from transformers import AutoTokenizer
+    from transformers.utils import cached_file
+
+    from deepzero.data.tokenizer import identity
+
+    if not any(cached_file(spec, f, _raise_exceptions_for_missing_entries=False) for f in TOKENIZER_FILES):
+        raise OSError(f"{spec} has no tokenizer of its own")  # Transformers would build an empty one
+    tok = AutoTokenizer.from_pretrained(spec, trust_remote_code=trust_remote_code)
+    return identity(tok, min(tokens, len(tok))) | {"tokens": len(tok)}
 
 
 def check_disk(args: TrainArgs, config: Any, precision: str, four_bit: bool = False) -> None:

@@ -209,7 +209,11 @@ def prepare(model: torch.nn.Module) -> torch.nn.Module:
     fp16 storage it casts the packed NF4 codes too (its test reads ``fp16 or (bf16 and not Params4bit)``). Its other
     step, input gradients for reentrant checkpointing, is not needed: the engine checkpoints with
     ``use_reentrant=False``."""
-    return model.requires_grad_(False)
+    model.requires_grad_(False)
+    for module in model.modules():  # the same 4-bit layout on every CPU (see the note below)
+        if hasattr(module, "support_avx512bf16_for_cpu"):
+            module.support_avx512bf16_for_cpu = False
+    return model
 
 
 def is_packed(param: torch.Tensor) -> bool:

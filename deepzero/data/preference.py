@@ -33,7 +33,7 @@ from transformers import PreTrainedTokenizerBase
 
 from deepzero.data.dataset import MASK_START, MASK_TARGET, PackedDataset, meta_header
 from deepzero.data.sources import Chat, input_files, iter_records
-from deepzero.data.tokenizer import train_tokenizer_from_texts
+from deepzero.data.tokenizer import identity, train_tokenizer_from_texts
 from deepzero.data.writer import (
     BadInput,
     Layout,
@@ -277,7 +277,9 @@ def prepare_pairs(
             "shards": shards,
             "mask_bits": {"target": MASK_TARGET, "doc_start": MASK_START},
             "rows": "pair i = rows 2i (chosen) and 2i + 1 (rejected), each right-padded",
-            **Provenance(tok_ref, inputs, val_inputs, columns, val_fraction, seed, fingerprint, start).meta(bad),
+            **Provenance(
+                tok_ref, inputs, val_inputs, columns, val_fraction, seed, fingerprint, start, identity(tok)
+            ).meta(bad),
         }
         publish_with_meta(tmp, out, meta)
     finally:

@@ -69,7 +69,7 @@ from deepzero.data.sources import (
     iter_docs,
     parse_columns,
 )
-from deepzero.data.tokenizer import train_tokenizer_from_texts
+from deepzero.data.tokenizer import identity, train_tokenizer_from_texts
 from deepzero.data.writer import (
     BadInput,
     Layout,
@@ -212,7 +212,9 @@ def prepare(
             "n_dropped": {s: v.n_dropped for s, v in stats.items()},
             "shards": {s: v.shards for s, v in stats.items()},
             "mask_bits": {"target": MASK_TARGET, "doc_start": MASK_START} if chat else None,
-            **Provenance(tok_ref, inputs, val_inputs, columns, val_fraction, seed, fingerprint, start).meta(bad),
+            **Provenance(
+                tok_ref, inputs, val_inputs, columns, val_fraction, seed, fingerprint, start, identity(tok)
+            ).meta(bad),
             "input_bytes": progress.n_bytes,
             "shard_mb": shard_mb,
             "stream_seconds": round(progress.seconds, 2),

@@ -36,7 +36,7 @@ from transformers import PreTrainedTokenizerBase
 from deepzero.data.dataset import PackedDataset, meta_header
 from deepzero.data.preference import PairEncoder
 from deepzero.data.sources import Chat, iter_records
-from deepzero.data.tokenizer import train_tokenizer_from_texts
+from deepzero.data.tokenizer import identity, train_tokenizer_from_texts
 from deepzero.data.writer import (
     BadInput,
     Layout,
@@ -244,7 +244,9 @@ def prepare_prompts(
             "rows": f"one prompt per row of max_prompt_len tokens, right-padded with pad_id; its record in"
             f" {records_file('SPLIT')} (line i = row i)",
             "record_fields": sorted(fields),
-            **Provenance(tok_ref, inputs, val_inputs, columns, val_fraction, seed, fingerprint, start).meta(bad),
+            **Provenance(
+                tok_ref, inputs, val_inputs, columns, val_fraction, seed, fingerprint, start, identity(tok)
+            ).meta(bad),
             "shard_mb": shard_mb,
         }
         publish_with_meta(tmp, out, meta)

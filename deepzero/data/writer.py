@@ -182,6 +182,8 @@ class Provenance:
     fingerprint: str
     started: float
     """``time.perf_counter()`` when the preparation began."""
+    tokenizer_identity: dict[str, Any] | None = None
+    """``deepzero.data.tokenizer.identity`` of the tokenizer the ids came from (train.py compares the model's)."""
 
     def meta(self, bad: BadInput) -> dict[str, Any]:
         """meta.json's provenance keys: the skipped records, the tokenizer, the inputs and the split, the
@@ -189,6 +191,7 @@ class Provenance:
         return {
             "skipped": {"count": bad.count, "first": bad.listed},
             "tokenizer": self.tokenizer,
+            "tokenizer_identity": self.tokenizer_identity,
             "inputs": list(self.inputs),
             "val_inputs": list(self.val_inputs),
             "columns": dict(self.columns or {}),
