@@ -167,6 +167,35 @@ def test_parquet_and_hf_datasets_stream(tmp_path: Path) -> None:
     assert [(d.value, d.where.rsplit(" ", 2)[1:]) for d in docs] == [("three", ["row", "0"]), ("four", ["row", "2"])]
 
 
+def test_hf_specs_name_a_config_and_a_split(tmp_path: Path) -> None:
+    """hf:NAME:CONFIG[:SPLIT] for data sets with configs (GSM8K's "main"); hf:NAME:SPLIT as before. A local data
+    set with two configs declared in its README (what the hub's GSM8K does) stands in for the hub."""
+    from datasets import Dataset
+
+    from deepzero.data.sources import HubDataset
+
+    assert HubDataset.parse("hf:openai/gsm8k:main") == HubDataset("openai/gsm8k", "main", "train")
+    assert HubDataset.parse("hf:openai/gsm8k:main:test") == HubDataset("openai/gsm8k", "main", "test")
+    assert HubDataset.parse("hf:org/name:validation") == HubDataset("org/name", None, "validation")
+    assert HubDataset.parse("hf:org/name:train[:10]") == HubDataset("org/name", None, "train[:10]")
+    assert HubDataset.parse("hf:org/name") == HubDataset("org/name", None, "train")
+    with pytest.raises(UserError, match=r"hf:a:b:c:d: is not hf:NAME\[:CONFIG\]\[:SPLIT\]"):
+        HubDataset.parse("hf:a:b:c:d")
+    hub = tmp_path / "gsm"
+    for config, texts in (("main", ["m0", "m1"]), ("socratic", ["s0"])):
+        (hub / config).mkdir(parents=True)
+        Dataset.from_dict({"text": texts}).to_parquet(hub / config / "train.parquet")
+        Dataset.from_dict({"text": [f"{config} test"]}).to_parquet(hub / config / "test.parquet")
+    configs = "".join(
+        f"- config_name: {c}\n  data_files:\n  - split: train\n    path: {c}/train.parquet\n"
+        f"  - split: test\n    path: {c}/test.parquet\n"
+        for c in ("main", "socratic")
+    )
+    (hub / "README.md").write_text(f"---\nconfigs:\n{configs}---\n")
+    assert [d.value for d in iter_docs([f"hf:{hub}:socratic"])] == ["s0"]
+    assert [d.value for d in iter_docs([f"hf:{hub}:main:test"])] == ["main test"]
+
+
 # --- prepare: text -----------------------------------------------------------------------------------------------
 
 

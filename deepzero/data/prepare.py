@@ -825,7 +825,7 @@ class _OneLineParser(argparse.ArgumentParser):
 
 def _parser() -> argparse.ArgumentParser:
     p = _OneLineParser(prog="python -m deepzero.data.prepare", description=__doc__.split("\n")[0])
-    p.add_argument("--input", nargs="+", default=["stdlib"], help="paths, 'stdlib', or hf:NAME[:split]")
+    p.add_argument("--input", nargs="+", default=["stdlib"], help="paths, 'stdlib', or hf:NAME[:CONFIG][:SPLIT]")
     p.add_argument("--tokenizer", default="train", help="saved tokenizer folder, hub id, or 'train'")
     p.add_argument("--seq-len", type=int, default=256, help="tokens per training sample (rows hold seq_len + 1)")
     p.add_argument("--out", default="artifacts/data/stdlib", help="output folder")

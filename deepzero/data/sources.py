@@ -2,7 +2,7 @@
 
 An input spec is one of: a path (``.txt``/``.py``/``.md`` file = one document; a folder = all such files in it;
 ``.jsonl`` with a ``text`` or ``messages`` field per line; ``.parquet`` with a ``text`` or ``messages`` column),
-``stdlib`` (the standard library's own source, see :func:`stdlib_corpus`), or ``hf:NAME[:split]`` (a dataset
+``stdlib`` (the standard library's own source, see :func:`stdlib_corpus`), or ``hf:NAME[:CONFIG][:SPLIT]`` (a dataset
 streamed with ``datasets.load_dataset(..., streaming=True)``; split defaults to ``train``).
 
 :func:`iter_docs` yields one :class:`Doc` at a time and never holds more than one file (text), one line (JSONL)
@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import hashlib
 import json
+import re
 from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass
 from pathlib import Path
@@ -26,7 +27,7 @@ TEXT_SUFFIXES = (".txt", ".py", ".md")
 Chat = list[dict[str, str]]
 Format = Literal["auto", "text", "chat"]
 OnBad = Callable[[UserError], None]
-_FIX_SPEC = "pass a .txt/.py/.md/.jsonl/.parquet file, a folder, 'stdlib', or hf:NAME[:split]"
+_FIX_SPEC = "pass a .txt/.py/.md/.jsonl/.parquet file, a folder, 'stdlib', or hf:NAME[:CONFIG][:SPLIT]"
 _FIX_RECORD = (
     'give each record "text": "...", "messages": [{"role": ..., "content": ...}, ...], or "prompt" and "completion"'
     " (strings or message lists), or map your field names with --columns"
@@ -55,6 +56,39 @@ class Corpus:
 def raise_bad(err: UserError) -> None:
     """The default ``on_bad``: stop at the first bad input."""
     raise err
+
+
+HUB_SPEC = re.compile(r"hf:(?P<name>[^:]+)(?::(?P<a>[^:\[]+(?:\[[^\]]*\])?))?(?::(?P<b>[^:\[]+(?:\[[^\]]*\])?))?")
+"""hf:NAME, then up to two parts; a split may carry a slice (``train[:10%]``), colon included."""
+SPLIT_NAMES = ("train", "test", "validation", "valid", "dev", "eval")
+"""A lone part after ``hf:NAME:`` that starts with one of these is a split; anything else is a config name."""
+
+
+@dataclass(frozen=True)
+class HubDataset:
+    """``hf:NAME``, ``hf:NAME:SPLIT``, ``hf:NAME:CONFIG`` or ``hf:NAME:CONFIG:SPLIT`` (the split defaults to train)."""
+
+    name: str
+    config: str | None
+    split: str
+
+    @classmethod
+    def parse(cls, spec: str) -> HubDataset:
+        match = HUB_SPEC.fullmatch(spec)
+        if match is None:
+            raise UserError(spec, "is not hf:NAME[:CONFIG][:SPLIT]", "e.g. hf:openai/gsm8k:main:train")
+        name, rest = match["name"], [part for part in (match["a"], match["b"]) if part]
+        if len(rest) == 2:
+            return cls(name, rest[0], rest[1])
+        if rest and rest[0].split("[")[0] not in SPLIT_NAMES:
+            return cls(name, rest[0], "train")
+        return cls(name, None, rest[0] if rest else "train")
+
+    def load(self) -> Any:
+        """The dataset's split, streamed (``datasets.load_dataset(name, config, split=, streaming=True)``)."""
+        import datasets  # slow import: only when needed
+
+        return datasets.load_dataset(self.name, self.config, split=self.split, streaming=True)
 
 
 def input_files(spec: str, flag: str = "--input") -> list[Path]:
@@ -135,7 +169,7 @@ def rename(record: dict[str, Any], columns: dict[str, str]) -> dict[str, Any]:
 def iter_records(
     specs: Sequence[str], on_bad: OnBad = raise_bad, columns: dict[str, str] | None = None, flag: str = "--input"
 ) -> Iterator[Record]:
-    """Every record of ``.jsonl``/``.parquet`` files and ``hf:NAME[:split]`` datasets, whole, with ``columns``
+    """Every record of ``.jsonl``/``.parquet`` files and ``hf:NAME[:CONFIG][:SPLIT]`` datasets, whole, with ``columns``
     applied; a line that is not a JSON object goes to ``on_bad``. Other input kinds are refused in one line."""
     for spec in specs:
         for f in input_files(spec, flag):
@@ -148,16 +182,13 @@ def iter_records(
             yield Record(rename(record, columns or {}), where, nbytes)
 
 
-_FIX_RECORDS = "pass .jsonl or .parquet files, folders of them, or hf:NAME[:split]"
+_FIX_RECORDS = "pass .jsonl or .parquet files, folders of them, or hf:NAME[:CONFIG][:SPLIT]"
 
 
 def _raw_records(spec: str, on_bad: OnBad) -> Iterator[tuple[dict[str, Any], str, int]]:
     if spec.startswith("hf:"):
-        import datasets  # slow import: only when needed
-
-        name, _, split = spec[3:].partition(":")
         try:
-            rows = iter(datasets.load_dataset(name, split=split or "train", streaming=True))
+            rows = iter(HubDataset.parse(spec).load())
         except (OSError, ValueError, ConnectionError) as e:
             raise UserError(spec, f"could not load the dataset ({type(e).__name__}: {e})", _FIX_SPEC) from e
         for i, row in enumerate(rows):
@@ -232,8 +263,7 @@ def read_corpus(specs: Sequence[str], fmt: Format = "auto") -> Corpus:
 
 def _read_spec(spec: str, fmt: Format, on_bad: OnBad, columns: dict[str, str]) -> Iterator[Doc]:
     if spec.startswith("hf:"):
-        name, _, split = spec[3:].partition(":")
-        yield from _hf_docs(name, split or "train", spec, fmt, on_bad, columns)
+        yield from _hf_docs(HubDataset.parse(spec), spec, fmt, on_bad, columns)
         return
     for f in input_files(spec):
         if f.suffix == ".jsonl":
@@ -320,13 +350,10 @@ def _parquet_docs(path: Path, fmt: Format, on_bad: OnBad, columns: dict[str, str
                 on_bad(e)
 
 
-def _hf_docs(name: str, split: str, where: str, fmt: Format, on_bad: OnBad, columns: dict[str, str]) -> Iterator[Doc]:
+def _hf_docs(hub: HubDataset, where: str, fmt: Format, on_bad: OnBad, columns: dict[str, str]) -> Iterator[Doc]:
     """A Hugging Face dataset in streaming mode: rows arrive as they are read, nothing is cached whole."""
-    import datasets  # slow import: only when needed
-
     try:
-        ds = datasets.load_dataset(name, split=split, streaming=True)
-        rows = iter(ds)
+        rows = iter(hub.load())
         first = next(rows, None)
     except (OSError, ValueError, ConnectionError) as e:
         raise UserError(where, f"could not load the dataset ({type(e).__name__}: {e})", _FIX_SPEC) from e
