@@ -175,6 +175,8 @@ def plan_run(args: TrainArgs, world: int) -> RunPlan:
     if args.resume:
         ranks = settings.dp_size(world) * sequence  # ZeRO: every rank
         checkpoint.check_resumable(args.checkpoint_dir, ranks, four_bit is not None)
+    else:
+        check_not_a_finished_run(args)
     pipeline = isinstance(settings, engines.PipelineSettings)
     savers = MemorySavers.choose(args, config, seq_len, pipeline=pipeline, vocab_size=vocab)
     terms = SaverTerms.of(savers)
@@ -376,6 +378,18 @@ def usable_val_split(
         )
         return None
     return val_data
+
+
+def check_not_a_finished_run(args: TrainArgs) -> None:
+    """One line when ``--out`` already holds checkpoints and ``--resume`` was not given: a new run there would save
+    over them (a step it reaches replaces the old one, and older ones are pruned)."""
+    if args.resume or (tag := checkpoint.latest_tag(args.checkpoint_dir)) is None:
+        return
+    raise UserError(
+        f"--out {args.out_dir}",
+        f"already holds a run's checkpoints (latest {tag}), which a new run there would replace",
+        "pass --resume to continue that run, or another --out (or remove the folder) to start a new one",
+    )
 
 
 def check_writable(out_dir: Path) -> None:

@@ -226,6 +226,10 @@ def cases(tiny_data: Path, root: Path) -> dict[str, Case]:
         train_py(*small_args(tiny_data, out, "--resume")), {"checkpoints": str(out / "checkpoints")}
     )
 
+    d = row("Out reused")
+    out = fake_run(d)
+    made["A run's --out reused without --resume"] = Case(train_py(*small_args(tiny_data, out)), {"out": str(out)}, out)
+
     d = row("Latest missing")
     out = fake_run(d)
     (out / "checkpoints" / "latest").write_text("step00000009")
@@ -253,9 +257,9 @@ def cases(tiny_data: Path, root: Path) -> dict[str, Case]:
     model = d / "bin-only-model"
     get_preset("tiny-deepseek-v3").config(vocab_size=512).save_pretrained(model)
     torch.save({}, model / "pytorch_model.bin")
-    out = fake_run(d)
+    out = d / "fresh-run"  # the weights are found missing at load, after the plan (which refuses a used --out)
     made["Model folder with only pickled .bin weights"] = Case(
-        train_py("--model", str(model), *small_args(tiny_data, out)), {"model": str(model)}, out
+        train_py("--model", str(model), *small_args(tiny_data, out)), {"model": str(model)}
     )
 
     out = fake_run(row("Zero batch"))
@@ -372,6 +376,7 @@ SINGLE_PROCESS_ROWS = [
     "Output folder that cannot be written",
     "Lock left by a DeepSpeed op build that was killed",
     "--resume with no checkpoint in --out",
+    "A run's --out reused without --resume",
     "'latest' naming a folder that is gone",
     "Misspelled command-line flag",
     "Model that needs its own code (trust_remote_code)",
