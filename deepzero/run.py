@@ -314,9 +314,16 @@ def load_tokenizer_identity(spec: str, trust_remote_code: bool, tokens: int) -> 
 
     from deepzero.data.tokenizer import identity
 
-    if not any(cached_file(spec, f, _raise_exceptions_for_missing_entries=False) for f in TOKENIZER_FILES):
+    def has_tokenizer(local_files_only: bool) -> bool:
+        return any(
+            cached_file(spec, f, local_files_only=local_files_only, _raise_exceptions_for_missing_entries=False)
+            for f in TOKENIZER_FILES
+        )
+
+    local = has_tokenizer(local_files_only=True)  # a folder, or the hub cache: no request at all
+    if not local and not has_tokenizer(local_files_only=False):
         raise OSError(f"{spec} has no tokenizer of its own")  # Transformers would build an empty one
-    tok = AutoTokenizer.from_pretrained(spec, trust_remote_code=trust_remote_code)
+    tok = AutoTokenizer.from_pretrained(spec, trust_remote_code=trust_remote_code, local_files_only=local)
     return identity(tok, min(tokens, len(tok))) | {"tokens": len(tok)}
 
 
