@@ -14,6 +14,10 @@ PYTEST_ARGS ?=
 # Test files run on this many pytest-xdist workers (a file's tests stay together on one): launches and
 # single-threaded in-process tests fill each other's idle CPU. 1 runs the suite in one process.
 TEST_WORKERS ?= 2
+# The accelerator is named, not guessed (DeepSpeed warns on every process when it falls back to the CPU), and the
+# launcher logs errors only (its INFO lines and "Unable to find hostfile" say nothing about a one-machine run).
+ACCELERATOR ?= $(shell nvidia-smi -L >/dev/null 2>&1 && echo cuda || echo cpu)
+LAUNCH = PATH="$(CURDIR)/$(BIN):$$PATH" DS_ACCELERATOR=$(ACCELERATOR) deepspeed --log_level=error --num_gpus=$(NUM_GPUS)
 
 .PHONY: setup data train sft sft-long dpo grpo test lint plan doctor plot bench bench-gpu clean
 
@@ -32,7 +36,7 @@ data: setup
 	$(BIN)/python data/prepare.py --input stdlib --tokenizer train --vocab-size 4096 --seq-len $(SEQ_LEN) --out $(DATA)
 
 train: data
-	PATH="$(CURDIR)/$(BIN):$$PATH" deepspeed --num_gpus=$(NUM_GPUS) train.py \
+	$(LAUNCH) train.py \
 		--deepspeed_config $(DS_CONFIG) --data $(DATA) --out $(OUT) $(TRAIN_ARGS)
 
 # Chat SFT example (docs/sft.md): Q&A chats from the stdlib's docstrings, DeepSeek's tokenizer and chat template
@@ -47,7 +51,7 @@ sft: setup
 	$(BIN)/python data/tokenizer.py deepseek --out artifacts/tokenizers/deepseek
 	$(BIN)/python data/prepare.py --input $(SFT_DATA).jsonl --format chat --tokenizer $(SFT_TOKENIZER) \
 		--seq-len $(SEQ_LEN) --val-fraction 0.05 --out $(SFT_DATA)
-	PATH="$(CURDIR)/$(BIN):$$PATH" deepspeed --num_gpus=$(NUM_GPUS) train.py \
+	$(LAUNCH) train.py \
 		--deepspeed_config $(DS_CONFIG) --data $(SFT_DATA) --out $(SFT_OUT) $(SFT_ARGS)
 
 # Long-sequence chat SFT (docs/sft.md): R1-style <think> traces made from the stdlib's source (0.5k-14k tokens each),
@@ -63,7 +67,7 @@ sft-long: setup
 	$(BIN)/python data/tokenizer.py deepseek --out artifacts/tokenizers/deepseek
 	$(BIN)/python data/prepare.py --input $(SFT_LONG_DATA).jsonl --format chat --tokenizer artifacts/tokenizers/deepseek \
 		--seq-len $(SFT_LONG_SEQ) --val-fraction 0.1 --out $(SFT_LONG_DATA)
-	PATH="$(CURDIR)/$(BIN):$$PATH" deepspeed --num_gpus=$(NUM_GPUS) train.py \
+	$(LAUNCH) train.py \
 		--deepspeed_config $(DS_CONFIG) --data $(SFT_LONG_DATA) --out $(SFT_LONG_OUT) $(SFT_LONG_ARGS)
 
 # Preference tuning example (docs/preference.md): pairs made from the SFT example (chosen: the function's own
@@ -80,7 +84,7 @@ dpo: setup
 	$(BIN)/python data/dpo_example.py --out $(DPO_DATA).jsonl
 	$(BIN)/python data/prepare.py --input $(DPO_DATA).jsonl --format preference --tokenizer $(DPO_MODEL) \
 		--seq-len $(SEQ_LEN) --val-fraction 0.1 --out $(DPO_DATA)
-	PATH="$(CURDIR)/$(BIN):$$PATH" deepspeed --num_gpus=$(NUM_GPUS) train.py \
+	$(LAUNCH) train.py \
 		--deepspeed_config $(DS_CONFIG) --model $(DPO_MODEL) --data $(DPO_DATA) --out $(DPO_OUT) $(DPO_ARGS)
 
 # GRPO example (docs/grpo.md): prompts are the stdlib's `def` lines, the reward is the share of the letter in each
@@ -98,7 +102,7 @@ grpo: setup
 	$(BIN)/python data/prepare.py --input $(GRPO_DATA).jsonl --format prompts --tokenizer $(GRPO_MODEL) \
 		--seq-len 64 --max-completion-length 24 --val-fraction 0.05 --out $(GRPO_DATA)
 	$(BIN)/python data/grpo_example.py --score $(GRPO_MODEL) --data $(GRPO_DATA)
-	PATH="$(CURDIR)/$(BIN):$$PATH" deepspeed --num_gpus=$(NUM_GPUS) train.py --deepspeed_config $(DS_CONFIG) \
+	$(LAUNCH) train.py --deepspeed_config $(DS_CONFIG) \
 		--model $(GRPO_MODEL) --data $(GRPO_DATA) --out $(GRPO_OUT) --reward data/grpo_reward.py:letter_share $(GRPO_ARGS)
 	$(BIN)/python data/grpo_example.py --score $(GRPO_OUT)/hf --data $(GRPO_DATA)
 

@@ -16,6 +16,8 @@ import torch
 import torch.distributed as dist
 from deepspeed.accelerator import get_accelerator
 
+from deepzero.quiet import printed_lines_dropped
+
 SHM_DIR = Path("/dev/shm")
 
 
@@ -42,7 +44,8 @@ def init_distributed() -> tuple[int, int]:
     if not on_cuda() and "OMP_NUM_THREADS" not in os.environ:
         local_world = int(os.environ.get("LOCAL_WORLD_SIZE", os.environ["WORLD_SIZE"]))
         torch.set_num_threads(max(1, (os.cpu_count() or 1) // local_world))  # CPU ranks share the cores
-    deepspeed.init_distributed(dist_init_required=True, verbose=False)
+    with printed_lines_dropped():
+        deepspeed.init_distributed(dist_init_required=True, verbose=False)
     release_shm_buffers()
     return dist.get_rank(), dist.get_world_size()
 

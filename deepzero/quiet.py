@@ -10,18 +10,28 @@ names where the message comes from, so it can be dropped when the library stops 
   starting lr, which logs ``Attempting to get learning rate from scheduler before it has started`` on every rank
   (``runtime/lr_schedules.py``). deepzero never asks the scheduler for its lr before a step (it reads the
   optimizer's); the message comes from inside ``deepspeed.initialize``.
+- DeepSpeed 0.19.8's CPU backend prints ``DeepSpeed deepspeed.ops.comm.deepspeed_shm_comm_op built successfully``
+  on every rank whenever it loads its shared-memory op, built or not (``comm/torch.py: build_shm_op``, a plain
+  ``print`` inside ``deepspeed.init_distributed``): :func:`printed_lines_dropped` around that call.
 """
 
 from __future__ import annotations
 
+import contextlib
+import io
 import logging
+import re
+import sys
 import warnings
+from collections.abc import Iterator
 
 FUTURE_WARNINGS = (r"`torch\.distributed\.all_gather_into_tensor` is deprecated\. ",)
 """Message regexes (matched at the start) of the FutureWarnings ignored."""
 DEEPSPEED_MESSAGES = frozenset({"Attempting to get learning rate from scheduler before it has started"})
 """Exact messages dropped from DeepSpeed's logger."""
 DEEPSPEED_LOGGER = "DeepSpeed"
+PRINTED = (re.compile(r"DeepSpeed \S+ built successfully"),)
+"""Whole lines that DeepSpeed prints (not logs) and :func:`printed_lines_dropped` drops."""
 
 
 class _DropMessages(logging.Filter):
@@ -42,3 +52,17 @@ def install() -> None:
     logger = logging.getLogger(DEEPSPEED_LOGGER)
     if not any(isinstance(f, _DropMessages) for f in logger.filters):
         logger.addFilter(_DropMessages(DEEPSPEED_MESSAGES))
+
+
+@contextlib.contextmanager
+def printed_lines_dropped() -> Iterator[None]:
+    """Standard output of the block, less the whole lines that match ``PRINTED`` (the rest is written after it)."""
+    buffer = io.StringIO()
+    try:
+        with contextlib.redirect_stdout(buffer):
+            yield
+    finally:
+        kept = [
+            line for line in buffer.getvalue().splitlines(True) if not any(p.fullmatch(line.strip()) for p in PRINTED)
+        ]
+        sys.stdout.write("".join(kept))

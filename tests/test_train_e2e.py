@@ -6,11 +6,12 @@ from __future__ import annotations
 import json
 import re
 import shutil
+import subprocess
 from pathlib import Path
 
 import pytest
 import torch
-from conftest import bf16_precision, cpu_env, fp16_env, launch, losses, records
+from conftest import REPO, bf16_precision, cpu_env, fp16_env, launch, losses, records
 from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer
 
 pytestmark = pytest.mark.launcher
@@ -72,6 +73,19 @@ def test_the_log_holds_no_warning_the_run_does_not_explain(zero2_run: tuple[Path
     assert not stray, "\n".join(stray)
     own = [line for line in log.splitlines() if line.startswith("warning: ")]
     assert len(own) == len(set(own)), own  # from rank 0 only
+    assert "built successfully" not in log  # DeepSpeed's print on loading its CPU comm op, every rank (quiet.py)
+
+
+def test_make_train_names_the_accelerator_and_keeps_the_launcher_quiet() -> None:
+    """`make train`'s launch line: DS_ACCELERATOR named (cpu where nvidia-smi lists no GPU), so DeepSpeed does not
+    warn on every process that it fell back to the CPU, and the launcher at --log_level=error (no INFO lines, no
+    "Unable to find hostfile" on one machine)."""
+    dry = subprocess.run(["make", "-n", "train", "ACCELERATOR=cpu"], cwd=REPO, capture_output=True, text=True)
+    line = next(line for line in dry.stdout.splitlines() if "deepspeed " in line)
+    assert "DS_ACCELERATOR=cpu deepspeed --log_level=error --num_gpus=3 train.py" in line, line
+    if shutil.which("nvidia-smi") is None:
+        auto = subprocess.run(["make", "-n", "train"], cwd=REPO, capture_output=True, text=True).stdout
+        assert "DS_ACCELERATOR=cpu deepspeed" in auto
 
 
 def test_every_log_point_reports_the_promised_metrics(zero2_run: tuple[Path, str]) -> None:
