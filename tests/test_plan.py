@@ -209,9 +209,13 @@ def test_grpo_adds_generation_to_the_peak_and_answers_the_issues_models() -> Non
         model = model_stats(PRESETS[name].config(), name)
         full = plan.longest_completions(model, N, 24 * GiB, 128 * GiB, grpo)
         lora = plan.longest_completions(model, N, 24 * GiB, 128 * GiB, grpo, lora_rank=16)
+        qlora = plan.longest_completions(model, N, 24 * GiB, 128 * GiB, grpo, lora_rank=16, four_bit=True)
         assert (max(r.seq_len for r in full) > 0) == full_fits, name
         assert max(r.seq_len for r in lora) >= max(r.seq_len for r in full)
-        for r in [*full, *lora]:
+        assert max(r.seq_len for r in qlora) > max(r.seq_len for r in lora)  # the 4-bit base leaves more room
+        assert all(r.seq_len == 0 for r in qlora if r.preset == "zero3_offload")  # parameter offload: refused
+        assert all(r.setup.four_bit for r in qlora if r.preset != "zero3_offload")
+        for r in [*full, *lora, *qlora]:
             if r.seq_len:
                 assert r.estimate.fits(24 * GiB, 128 * GiB)
                 assert not estimate(model, replace(r.setup, seq_len=r.setup.seq_len + 256)).fits(24 * GiB, 128 * GiB)
@@ -225,6 +229,7 @@ def test_cli_grpo_prints_the_longest_completions(capsys: pytest.CaptureFixture[s
     out = capsys.readouterr().out
     assert "4 completions per prompt generated together, prompts of 256 tokens" in out
     assert "zero3_offload" in out and "LoRA r16 (KV cache, GPU GiB)" in out and "KV " in out
+    assert "QLoRA r16 (KV cache, GPU GiB)" in out
     assert plan.main([*argv[:3], "--num-generations", "0"]) == 2
 
 

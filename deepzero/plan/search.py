@@ -208,18 +208,21 @@ def longest_completions(
     cpu_mem: float | None,
     grpo: GrpoTerms,
     lora_rank: int = 0,
+    four_bit: bool = False,
 ) -> list[LongestSeq]:
     """GRPO's longest completion per preset × activation checkpointing at micro-batch 1 (``seq_len`` of each result
-    is the completion; its setup and estimate are at prompt + that completion, or + one step where none fits)."""
+    is the completion; its setup and estimate are at prompt + that completion, or + one step where none fits).
+    ``four_bit``: LoRA on a 4-bit base, whose parameter-offload presets are refused (``seq_len`` 0 there)."""
     out = []
     savers = SaverTerms.choose(stats.arch)
     for name in PRESET_ORDER:
         ds = load_preset(name)
+        refused = four_bit and offloads(ds.get("zero_optimization", {}), "offload_param")
         for ckpt in (False, True):
             first = grpo.prompt_len + COMPLETION_STEP
-            base = _micro1_setup(ds, stats, world_size, first, ckpt, lora_rank, True, savers)
+            base = _micro1_setup(ds, stats, world_size, first, ckpt, lora_rank, True, savers, four_bit and not refused)
             setup = replace(base, grpo=grpo)
-            n = longest_completion(stats, setup, gpu_mem, cpu_mem)
+            n = 0 if refused else longest_completion(stats, setup, gpu_mem, cpu_mem)
             setup = replace(setup, seq_len=grpo.prompt_len + max(n, COMPLETION_STEP))
             out.append(LongestSeq(n, name, setup, estimate(stats, setup)))
     return out

@@ -277,6 +277,7 @@ def render_grpo(
     gpu_mem, cpu_mem = gpu_mem_gb * GiB, cpu_mem_gb * GiB
     full = longest_completions(stats, world_size, gpu_mem, cpu_mem, grpo)
     lora = longest_completions(stats, world_size, gpu_mem, cpu_mem, grpo, lora_rank)
+    qlora = longest_completions(stats, world_size, gpu_mem, cpu_mem, grpo, lora_rank, four_bit=True)
     lines = [
         f"{stats.name}: GRPO's longest completion on {world_size} × {gpu_mem_gb:g} GiB, host {cpu_mem_gb:g} GiB: "
         f"{grpo.generations} completions per prompt generated together, prompts of {grpo.prompt_len} tokens, "
@@ -290,14 +291,22 @@ def render_grpo(
         return f"{r.seq_len:,} (KV {gib(kv_cache_bytes(stats, r.setup))}, GPU {gib(r.estimate.gpu_total)})"
 
     rows = [
-        [f.preset, "on" if f.setup.checkpointing else "off", cell(f), cell(q)] for f, q in zip(full, lora, strict=True)
+        [f.preset, "on" if f.setup.checkpointing else "off", cell(f), cell(q), cell(four)]
+        for f, q, four in zip(full, lora, qlora, strict=True)
     ]
-    headers = ["preset", "ckpt", "full (KV cache, GPU GiB)", f"LoRA r{lora_rank} (KV cache, GPU GiB)"]
-    lines += [format_table(headers, rows, [False, False, True, True]), ""]
+    headers = [
+        "preset",
+        "ckpt",
+        "full (KV cache, GPU GiB)",
+        f"LoRA r{lora_rank} (KV cache, GPU GiB)",
+        f"QLoRA r{lora_rank} (KV cache, GPU GiB)",
+    ]
+    lines += [format_table(headers, rows, [False, False, True, True, True]), ""]
     lines.append(
         "Each rank holds its states, and while it generates: the group's KV cache (G × (prompt + completion) tokens,"
         " every layer), the prefill's largest layer, and under ZeRO-3 the whole model gathered for generation (as"
         " TRL's ds3_gather_for_generation). A frozen reference copy (beta > 0 without LoRA) would add the weights"
-        " once more; this table plans beta 0, TRL's default."
+        " once more; this table plans beta 0, TRL's default. QLoRA: the base in 4 bits, its parameter-offload"
+        " presets refused (-)."
     )
     return "\n".join(lines)
