@@ -19,7 +19,7 @@ TEST_WORKERS ?= 2
 ACCELERATOR ?= $(shell nvidia-smi -L >/dev/null 2>&1 && echo cuda || echo cpu)
 LAUNCH = PATH="$(CURDIR)/$(BIN):$$PATH" DS_ACCELERATOR=$(ACCELERATOR) deepspeed --log_level=error --num_gpus=$(NUM_GPUS)
 
-.PHONY: setup data train sft sft-long dpo grpo test lint plan doctor plot bench bench-gpu clean
+.PHONY: setup data train sft sft-long dpo grpo grpo-math test lint plan doctor plot bench bench-gpu clean
 
 setup: $(VENV)/.installed
 
@@ -105,6 +105,27 @@ grpo: setup
 	$(LAUNCH) train.py --deepspeed_config $(DS_CONFIG) \
 		--model $(GRPO_MODEL) --data $(GRPO_DATA) --out $(GRPO_OUT) --reward data/grpo_reward.py:letter_share $(GRPO_ARGS)
 	$(BIN)/python data/grpo_example.py --score $(GRPO_OUT)/hf --data $(GRPO_DATA)
+
+# Math GRPO example (docs/grpo.md): R1's order at toy size. Every sum a + b of 0..19; a cold-start SFT on half of them
+# answered as `a + b = $\boxed{c}$` (a BPE trained on the chats), then GRPO from that export on all 400 questions with
+# --reward accuracy (TRL's accuracy_reward: math-verify checks the boxed answer against the record's answer).
+MATH_SFT      ?= artifacts/data/math_sft
+MATH_PROMPTS  ?= artifacts/data/math_prompts
+MATH_SFT_OUT  ?= runs/math-sft
+MATH_OUT      ?= runs/math-grpo
+MATH_SFT_ARGS ?= --max-steps 300 --warmup-steps 5 --micro-batch 4 --grad-accum 1 --log-interval 50 \
+	--eval-interval 100 --eval-batches 1 --save-interval 0
+MATH_ARGS     ?= --reward accuracy --num-generations 8 --micro-batch 8 --grad-accum 1 --max-steps 150 \
+	--warmup-steps 2 --lr 2e-4 --log-interval 10 --eval-interval 30 --eval-batches 4 --save-interval 0
+grpo-math: setup
+	$(BIN)/python data/math_example.py --sft $(MATH_SFT).jsonl --prompts $(MATH_PROMPTS).jsonl
+	$(BIN)/python data/prepare.py --input $(MATH_SFT).jsonl --format chat --tokenizer train --vocab-size 300 \
+		--seq-len 48 --val-fraction 0.1 --out $(MATH_SFT)
+	$(LAUNCH) train.py --deepspeed_config $(DS_CONFIG) --data $(MATH_SFT) --out $(MATH_SFT_OUT) $(MATH_SFT_ARGS)
+	$(BIN)/python data/prepare.py --input $(MATH_PROMPTS).jsonl --format prompts --tokenizer $(MATH_SFT_OUT)/hf \
+		--seq-len 48 --max-completion-length 16 --val-fraction 0.1 --out $(MATH_PROMPTS)
+	$(LAUNCH) train.py --deepspeed_config $(DS_CONFIG) --model $(MATH_SFT_OUT)/hf --data $(MATH_PROMPTS) \
+		--out $(MATH_OUT) $(MATH_ARGS)
 
 test: setup
 	$(BIN)/python -m pytest $(if $(filter-out 1,$(TEST_WORKERS)),-n $(TEST_WORKERS) --dist loadfile) $(PYTEST_ARGS) tests; rc=$$?; \
