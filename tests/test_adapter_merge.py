@@ -11,6 +11,7 @@ from pathlib import Path
 import peft
 import pytest
 import torch
+from test_qlora import ARCH  # the tiny dense architecture the QLoRA runs use
 from transformers import AutoModelForCausalLM, LlamaConfig, Qwen2Config
 
 from deepzero.adapters import merge
@@ -20,18 +21,9 @@ from deepzero.presets import get_preset
 
 R = 4
 PROBE = torch.tensor([[1, 5, 9, 200, 3, 77, 41, 8]])
-SMALL = dict(
-    vocab_size=512,
-    hidden_size=64,
-    intermediate_size=128,
-    num_hidden_layers=2,
-    num_attention_heads=4,
-    num_key_value_heads=2,
-    tie_word_embeddings=False,
-)
 ARCHS = {
-    "llama": lambda: LlamaConfig(**SMALL),
-    "qwen2": lambda: Qwen2Config(**SMALL),
+    "llama": lambda: LlamaConfig(**ARCH),
+    "qwen2": lambda: Qwen2Config(**ARCH),
     "deepseek_v2": lambda: get_preset("tiny-deepseek-v2").config(vocab_size=512),
     "deepseek_v3": lambda: get_preset("tiny-deepseek-v3").config(vocab_size=512),
 }
