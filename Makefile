@@ -14,9 +14,10 @@ PYTEST_ARGS ?=
 # Test files run on this many pytest-xdist workers (a file's tests stay together on one): launches and
 # single-threaded in-process tests fill each other's idle CPU. 1 runs the suite in one process.
 TEST_WORKERS ?= 2
-# The accelerator is named, not guessed (DeepSpeed warns on every process when it falls back to the CPU), and the
+# The accelerator is named, not guessed (DeepSpeed warns on every process when it falls back to the CPU; torch tells
+# CUDA and ROCm cards alike), and the
 # launcher logs errors only (its INFO lines and "Unable to find hostfile" say nothing about a one-machine run).
-ACCELERATOR ?= $(shell nvidia-smi -L >/dev/null 2>&1 && echo cuda || echo cpu)
+ACCELERATOR ?= $(shell $(BIN)/python -c "import torch; print('cuda' if torch.cuda.is_available() else 'cpu')")
 LAUNCH = PATH="$(CURDIR)/$(BIN):$$PATH" DS_ACCELERATOR=$(ACCELERATOR) deepspeed --log_level=error --num_gpus=$(NUM_GPUS)
 
 .PHONY: setup data train sft sft-long dpo grpo grpo-math test lint plan doctor plot bench bench-gpu clean

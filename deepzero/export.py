@@ -134,14 +134,21 @@ def export_four_bit_run(
     from deepzero.modeling import resolve_model
 
     args = run_config["args"]
-    source = model_config or resolve_model(args["model"]).pretrained
+    source = resolve_model(model_config or args["model"]).pretrained
     training = TORCH_DTYPES[run_config["precision"]["dtype"]]
     masters = _fp32_state_dict(ckpt_dir, tag)
     state = {k: v.to(training) for k, v in masters.items() if is_adapter_param(k)}
     spec = LoraSpec.parse(args["lora"])
     adapters = Adapters.from_state(state, spec.r, spec.lora_alpha, spec.dropout)
     probe = torch.tensor([tokenizer.encode("def export(checkpoint):\n    return merged")[:32] or [0]])
-    report = export_merged(str(source), adapters, tokenizer, out_dir, probe)
+    if Path(str(source)).resolve() == (ckpt_dir.parent / "hf").resolve():
+        raise UserError(
+            f"--model-config {model_config}",
+            "is the run's own export, where the adapters are merged already",
+            "pass the 16-bit base the run trained on (its run_config.json names it)",
+        )
+    trained = {k.removeprefix("base_model.model."): v for k, v in masters.items() if not is_adapter_param(k)}
+    report = export_merged(str(source), adapters, tokenizer, out_dir, probe, trained=trained)
     if not report.ok:
         raise UserError(report.path, report.why, "export from the model folder the run trained on (--model-config)")
     return Path(report.path), report.tensors

@@ -149,7 +149,7 @@ def plan_run(args: TrainArgs, world: int) -> RunPlan:
     overrides = [*args.ds, f"sequence_parallel_size={sequence}"] if sequence > 1 else args.ds  # zero.Init reads it
     cfg = dsconfig.resolve(args.deepspeed_config, settings.dp_size(world), hints, overrides, precision=args.precision)
     settings.check_batch(cfg.batch)
-    four_bit = plan_four_bit(args, settings, cfg, source)
+    four_bit = plan_four_bit(args, settings, cfg, source, config)
     if four_bit is not None:
         settings = dataclasses.replace(settings, four_bit=four_bit, base_source=source.pretrained)
     grpo_plan.check_batch(grpo, cfg.batch)
@@ -211,7 +211,11 @@ def plan_run(args: TrainArgs, world: int) -> RunPlan:
 
 
 def plan_four_bit(
-    args: TrainArgs, settings: EngineSettings, cfg: dsconfig.ResolvedConfig, source: modeling.ModelSource
+    args: TrainArgs,
+    settings: EngineSettings,
+    cfg: dsconfig.ResolvedConfig,
+    source: modeling.ModelSource,
+    config: Any = None,
 ) -> quant.FourBit | None:
     """A 4-bit base from --load-in-4bit or the preset's "quantization" section (the flag first), or one line."""
     section = dsconfig.owned_section(args.deepspeed_config, args.ds, quant.SECTION)
@@ -225,6 +229,7 @@ def plan_four_bit(
         offload_param="param" in cfg.offload,
         hierarchical=int(cfg.ds.get("zero_optimization", {}).get("zero_hpz_partition_size") or 1) > 1,
         expert_targets=args.lora is not None and "experts" in LoraSpec.parse(args.lora).targets,
+        quantized_source=getattr(config, "quantization_config", None) is not None,
     )
 
 

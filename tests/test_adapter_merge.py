@@ -11,6 +11,7 @@ from pathlib import Path
 import peft
 import pytest
 import torch
+from safetensors.torch import load_file
 from test_qlora import ARCH  # the tiny dense architecture the QLoRA runs use
 from transformers import AutoModelForCausalLM, LlamaConfig, Qwen2Config
 
@@ -142,3 +143,17 @@ def test_a_tokenizer_larger_than_the_base_vocabulary(tmp_path: Path) -> None:
     assert report.ok and report.median_token_logit_diff is not None, report
     assert len(PreTrainedTokenizerFast.from_pretrained(tmp_path / "hf")) == 600
     assert json.loads((tmp_path / "hf" / "config.json").read_text())["vocab_size"] == 512
+
+
+def test_buffers_the_run_trained_are_exported_as_trained(tmp_path: Path) -> None:
+    """V3's routing bias moves during training (the balancing), and QLoRA's checkpoint and engine hold it: the
+    export writes the trained bias, not the source's, and its check compares with the trained one."""
+    base = saved_base(tmp_path / "base", ARCHS["deepseek_v3"]())
+    _, adapters = trained_adapters(base, f"r={R},targets=attn")
+    key = "model.layers.1.mlp.gate.e_score_correction_bias"
+    source = load_file(base / "model.safetensors")[key]
+    trained = {key: source.float() + torch.linspace(-0.5, 0.5, source.numel())}
+    report = merge.export_merged(str(base), adapters, None, tmp_path / "hf", PROBE, trained=trained)
+    assert report.ok and report.trained_buffers == 1, report
+    exported = load_file(tmp_path / "hf" / "model.safetensors")[key]
+    assert torch.equal(exported, trained[key].to(source.dtype)) and not torch.equal(exported, source)

@@ -179,6 +179,8 @@ def test_hf_specs_name_a_config_and_a_split(tmp_path: Path) -> None:
     assert HubDataset.parse("hf:org/name:validation") == HubDataset("org/name", None, "validation")
     assert HubDataset.parse("hf:org/name:train[:10]") == HubDataset("org/name", None, "train[:10]")
     assert HubDataset.parse("hf:org/name") == HubDataset("org/name", None, "train")
+    assert HubDataset.parse("hf:HuggingFaceH4/ultrafeedback_binarized:train_prefs").split == "train_prefs"
+    assert HubDataset.parse("hf:org/name:test_sft") == HubDataset("org/name", None, "test_sft")
     with pytest.raises(UserError, match=r"hf:a:b:c:d: is not hf:NAME\[:CONFIG\]\[:SPLIT\]"):
         HubDataset.parse("hf:a:b:c:d")
     hub = tmp_path / "gsm"

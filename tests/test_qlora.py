@@ -94,6 +94,21 @@ def test_the_flag_the_preset_key_and_the_refusals(base16: Path, tiny_data: Path,
     assert "\n" not in str(err.value)
 
 
+def test_a_base_that_is_quantised_already_is_refused(base16: Path, tiny_data: Path, tmp_path: Path) -> None:
+    """A hub checkpoint saved in 4 bits (a quantization_config in its config.json) has no 16-bit weights for the
+    export to merge into: refused at plan time, in one line."""
+    quantised = tmp_path / "bnb-4bit"
+    shutil.copytree(base16, quantised)
+    config = json.loads((quantised / "config.json").read_text())
+    config["quantization_config"] = {"quant_method": "bitsandbytes", "load_in_4bit": True}
+    (quantised / "config.json").write_text(json.dumps(config))
+    args = parse_args(["--model", str(quantised), "--data", str(tiny_data), "--out", str(tmp_path / "run")])
+    args.lora, args.load_in_4bit = "r=8", True
+    with pytest.raises(UserError, match="has a quantization_config: its weights are quantised already") as err:
+        plan_run(args, 3)
+    assert "\n" not in str(err.value)
+
+
 def test_a_random_init_preset_is_refused(tiny_data: Path) -> None:
     args = parse_args(["--model", "tiny-deepseek-v3", "--data", str(tiny_data), "--out", "/tmp/unused"])
     args.lora, args.load_in_4bit = "r=8", True
@@ -268,3 +283,29 @@ def test_the_offline_export_of_a_qlora_checkpoint_gives_the_runs_own_folders(qlo
         (out / "hf" / "config.json").read_text()
     )
     assert main([str(out), "--out", str(tmp_path / "x"), "--dtype", "bf16"]) == 2
+
+
+@pytest.mark.launcher
+def test_a_v3_base_exports_the_routing_bias_its_balancing_trained(tiny_data: Path, tmp_path: Path) -> None:
+    """QLoRA on a DeepSeek-V3 base with the default balancing (the routing bias moves every step): the export
+    writes the bias the run trained (the one its last checkpoint holds), not the source's."""
+    from deepzero.presets import get_preset
+
+    base = tmp_path / "v3"
+    torch.manual_seed(0)
+    config = get_preset("tiny-deepseek-v3").config(vocab_size=512)
+    AutoModelForCausalLM.from_config(config).to(torch.bfloat16).save_pretrained(base)
+    out = tmp_path / "run"
+    args = ["--deepspeed_config", "ds_configs/zero2.json", "--model", str(base), "--data", str(tiny_data)]
+    args += ["--out", str(out), "--lora", "r=8,targets=attn", "--load-in-4bit", "--max-steps", "4", "--lr", "1e-2"]
+    args += ["--micro-batch", "2", "--grad-accum", "1", "--log-interval", "1", "--eval-interval", "0"]
+    launch(args, timeout=600)
+    (export,) = records(out, "export")
+    assert export["ok"] and export["trained_buffers"] >= 1, export
+    states = torch.load(next((out / "checkpoints" / "step00000004").glob("*model_states.pt")), weights_only=False)
+    source, exported = load_file(base / "model.safetensors"), load_file(out / "hf" / "model.safetensors")
+    biases = [k for k in source if k.endswith("e_score_correction_bias")]
+    assert biases
+    for key in biases:
+        trained = states["module"][f"base_model.model.{key}"].to(source[key].dtype)
+        assert torch.equal(exported[key], trained) and not torch.equal(exported[key], source[key]), key

@@ -32,10 +32,11 @@ def base_fingerprint(prints: list[int], storage: str) -> dict[str, Any]:
 def kept_keys(model: nn.Module) -> set[str]:
     """State-dict keys a checkpoint holds: the trainable parameters and the persistent buffers."""
     trainable = {name for name, p in model.named_parameters() if p.requires_grad}
-    return trainable | set(_persistent_buffers(model))
+    return trainable | set(persistent_buffers(model))
 
 
-def _persistent_buffers(model: nn.Module) -> Iterator[str]:
+def persistent_buffers(model: nn.Module) -> Iterator[str]:
+    """Names of ``model``'s persistent buffers (those its state dict holds)."""
     for prefix, module in model.named_modules():
         for name, buffer in module.named_buffers(recurse=False):
             if buffer is not None and name not in module._non_persistent_buffers_set:
@@ -46,7 +47,7 @@ def adapters_state_dict(model: nn.Module) -> dict[str, Any]:
     """The module state a checkpoint holds: :func:`kept_keys`, taken as ``state_dict()`` takes them, without calling
     any module's ``_save_to_state_dict`` (bitsandbytes' unpacks every 4-bit weight there, which fails on a ZeRO-3
     partition on CPUs where it repacks the codes for its kernels)."""
-    buffers = set(_persistent_buffers(model))
+    buffers = set(persistent_buffers(model))
     state = {name: p.detach() for name, p in model.named_parameters() if p.requires_grad}
     return state | {name: b.detach() for name, b in model.named_buffers() if name in buffers}
 

@@ -40,6 +40,7 @@ LOGIT_CHECK_BYTES = 4 << 30
 SINGLE_FILE = "model.safetensors"
 INDEX_FILE = "model.safetensors.index.json"
 COPIED_FILES = ("generation_config.json",)
+FIX_SOURCE = "export from the 16-bit model folder or hub id the run trained on (its run_config.json names it)"
 
 
 @dataclass(frozen=True)
@@ -130,10 +131,15 @@ def base_files(source: str) -> BaseFiles:
     from transformers.utils import cached_file
 
     def find(name: str) -> Path | None:
-        found = cached_file(source, name, _raise_exceptions_for_missing_entries=False)
+        try:
+            found = cached_file(source, name, _raise_exceptions_for_missing_entries=False)
+        except (OSError, ValueError) as err:  # a missing folder read as a malformed hub id, no hub, ...
+            raise UserError(source, f"cannot read the 16-bit base ({_first_line(err)})", FIX_SOURCE) from None
         return Path(found) if found else None
 
     config = find("config.json")
+    if config is not None and "quantization_config" in json.loads(config.read_text()):
+        raise UserError(source, "is a quantised checkpoint, not the 16-bit base to merge into", FIX_SOURCE)
     index = find(INDEX_FILE)
     if index is not None:
         names = sorted(set(json.loads(index.read_text())["weight_map"].values()))
@@ -160,6 +166,8 @@ class MergeCheck:
     """Adapted tensors, each equal to W + (alpha / r) · B · A to its dtype's rounding."""
     unchanged: int = 0
     """Every other tensor, byte-equal to the source's."""
+    buffers: int = 0
+    """Buffers written as the run trained them (V3's routing bias), equal to the engine's."""
     moved: int = 0
     """Adapted tensors whose merge changed at least one element (0: the adapters are below the dtype's rounding)."""
     largest_shard_bytes: int = 0
@@ -168,8 +176,9 @@ class MergeCheck:
     problems: list[str] = field(default_factory=list)
 
 
-def merge_files(files: BaseFiles, adapters: Adapters, out: Path) -> MergeCheck:
-    """Every shard of ``files`` with ``adapters`` merged, written to ``out`` under its own name, one at a time."""
+def merge_files(files: BaseFiles, adapters: Adapters, out: Path, trained: dict[str, torch.Tensor]) -> MergeCheck:
+    """Every shard of ``files`` with ``adapters`` merged, written to ``out`` under its own name, one at a time; a
+    tensor named in ``trained`` (buffers the run changed: V3's routing bias) is written as trained, in its dtype."""
     check = MergeCheck(base_bytes=files.bytes, largest_shard_bytes=max(p.stat().st_size for p in files.shards))
     placed: set[str] = set()
     for shard in files.shards:
@@ -182,6 +191,8 @@ def merge_files(files: BaseFiles, adapters: Adapters, out: Path) -> MergeCheck:
                 if key.endswith(".weight") and module in adapters.pairs:
                     tensor = adapters.merged(module, tensor)
                     placed.add(module)
+                elif key in trained:
+                    tensor = trained[key].to(tensor.dtype)
                 tensors[key] = tensor
         save_file(tensors, out / shard.name, metadata=metadata)
         del tensors
@@ -202,7 +213,9 @@ def merge_files(files: BaseFiles, adapters: Adapters, out: Path) -> MergeCheck:
     return check
 
 
-def check_files(files: BaseFiles, adapters: Adapters, out: Path, check: MergeCheck) -> MergeCheck:
+def check_files(
+    files: BaseFiles, adapters: Adapters, out: Path, check: MergeCheck, trained: dict[str, torch.Tensor]
+) -> MergeCheck:
     """Read the written shards again beside the source's, one tensor at a time (see the module docstring)."""
     for shard in files.shards:
         with safe_open(shard, framework="pt") as source, safe_open(out / shard.name, framework="pt") as written:
@@ -218,6 +231,10 @@ def check_files(files: BaseFiles, adapters: Adapters, out: Path, check: MergeChe
                         check.problems.append(f"{key} is not W + (alpha/r)·B·A")
                     check.merged += 1
                     check.moved += int(not torch.equal(exported, original))
+                elif key in trained:
+                    check.buffers += 1
+                    if not torch.equal(exported, trained[key].to(original.dtype)):
+                        check.problems.append(f"{key} is not the run's trained buffer")
                 elif exported.dtype != original.dtype or not torch.equal(exported, original):
                     check.problems.append(f"{key} differs from the source's")
                 else:
@@ -301,6 +318,8 @@ class MergedExport:
     merged_tensors: int
     moved_tensors: int
     unchanged_tensors: int
+    trained_buffers: int
+    """Buffers written as the run trained them (V3's routing bias), not the source's."""
     base_bytes: int
     largest_shard_bytes: int
     peak_host_bytes: int
@@ -342,9 +361,12 @@ def export_merged(
     input_ids: torch.Tensor,
     attn: str = "sdpa",
     logit_check_bytes: int = LOGIT_CHECK_BYTES,
+    trained: dict[str, torch.Tensor] | None = None,
 ) -> MergedExport:
     """``out_dir`` (the merged model, plain Transformers) and ``<out_dir>-adapter`` (peft) from the source's files,
-    checked, each published atomically. One process; host memory near one shard plus the adapters."""
+    checked, each published atomically. One process; host memory near one shard plus the adapters. ``trained``:
+    the run's persistent buffers under the files' names (those the files hold are written as trained)."""
+    trained = trained or {}
     files = base_files(source)
     adapter_dir = out_dir.with_name(f"{out_dir.name}-adapter")
     tmp = out_dir.with_name(f"{out_dir.name}.partial")
@@ -352,10 +374,10 @@ def export_merged(
         write_adapter(adapters, source, adapter_dir)
         shutil.rmtree(tmp, ignore_errors=True)
         tmp.mkdir(parents=True)
-        check = merge_files(files, adapters, tmp)
+        check = merge_files(files, adapters, tmp, trained)
         if tokenizer is not None:
             tokenizer.save_pretrained(tmp)
-        check = check_files(files, adapters, tmp, check)
+        check = check_files(files, adapters, tmp, check, trained)
     if check.problems:  # left under its .partial name for a look, never published
         out_dir = tmp
     else:
@@ -378,6 +400,7 @@ def export_merged(
         merged_tensors=check.merged,
         moved_tensors=check.moved,
         unchanged_tensors=check.unchanged,
+        trained_buffers=check.buffers,
         base_bytes=check.base_bytes,
         largest_shard_bytes=check.largest_shard_bytes,
         peak_host_bytes=peak.bytes,
@@ -398,6 +421,10 @@ def _dtype_of(files: BaseFiles) -> torch.dtype:
                 if (t := f.get_slice(key)).get_dtype() in ("BF16", "F16", "F32"):
                     return {"BF16": torch.bfloat16, "F16": torch.float16, "F32": torch.float32}[t.get_dtype()]
     return torch.float32
+
+
+def _first_line(err: Exception) -> str:
+    return str(err).strip().splitlines()[0][:200] if str(err).strip() else type(err).__name__
 
 
 def _publish(tmp: Path, final: Path) -> None:

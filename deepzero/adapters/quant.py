@@ -120,6 +120,7 @@ def choose(
     offload_param: bool,
     hierarchical: bool = False,
     expert_targets: bool = False,
+    quantized_source: bool = False,
 ) -> FourBit | None:
     """The 4-bit base the run asked for, or one line saying why this run cannot have it."""
     if origin is None:
@@ -139,6 +140,13 @@ def choose(
             origin,
             "a random-init preset has no weights to quantise",
             "pass a checkpoint (a preset naming one, a local folder or a hub id)",
+        )
+    if quantized_source:
+        raise UserError(
+            origin,
+            "the model's config.json has a quantization_config: its weights are quantised already, and the export"
+            " merges the adapters into the 16-bit base it reads again",
+            "pass the 16-bit checkpoint the quantised one was made from as --model",
         )
     if expert_targets:
         raise UserError(
@@ -239,9 +247,19 @@ def export_qlora_hf(
             config = engine.module.peft_config["default"]
             adapters = Adapters.from_state(state, config.r, config.lora_alpha, config.lora_dropout)
             attn = attn_implementation_of(engine.module.get_base_model())
+            trained = trained_buffers(engine.module)
             with modeling.zero3_init_off():
-                report = export_merged(source, adapters, tokenizer, out_dir, probe["input_ids"], attn)
+                report = export_merged(source, adapters, tokenizer, out_dir, probe["input_ids"], attn, trained=trained)
     return report
+
+
+def trained_buffers(model: torch.nn.Module) -> dict[str, torch.Tensor]:
+    """The persistent buffers of the run's peft model (V3's routing bias, which balancing moves) under the base's
+    own names, on the host (buffers are never partitioned)."""
+    from deepzero.adapters.checkpoint import persistent_buffers
+
+    names = set(persistent_buffers(model))
+    return {n.removeprefix("base_model.model."): b.detach().cpu() for n, b in model.named_buffers() if n in names}
 
 
 def adapter_state_dict(engine: Any) -> dict[str, torch.Tensor]:

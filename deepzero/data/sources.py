@@ -80,7 +80,7 @@ class HubDataset:
         name, rest = match["name"], [part for part in (match["a"], match["b"]) if part]
         if len(rest) == 2:
             return cls(name, rest[0], rest[1])
-        if rest and rest[0].split("[")[0] not in SPLIT_NAMES:
+        if rest and not rest[0].split("[")[0].startswith(SPLIT_NAMES):
             return cls(name, rest[0], "train")
         return cls(name, None, rest[0] if rest else "train")
 
