@@ -12,6 +12,11 @@ def one_line(text: str) -> str:
     return _CONTROL.sub(lambda m: repr(m.group())[1:-1], text)
 
 
+def first_line(err: Exception) -> str:
+    """The first line of a library's exception message (at most 200 characters), or its type when it has none."""
+    return str(err).strip().splitlines()[0][:200] if str(err).strip() else type(err).__name__
+
+
 class UserError(Exception):
     """Bad input from the user (a file, a flag, a preset). Printed as one line, exit code 2."""
 

@@ -12,7 +12,7 @@ from typing import Any
 import torch
 from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer, PretrainedConfig, PreTrainedTokenizerBase
 
-from deepzero.errors import UserError
+from deepzero.errors import UserError, first_line
 from deepzero.presets import PRESETS
 
 
@@ -62,7 +62,7 @@ def load_config(source: ModelSource, trust_remote_code: bool = False) -> Pretrai
         if source.preset_config is not None:
             return source.preset_config
         raise UserError(
-            f"--model {source.spec}", f"cannot read its config ({_first_line(err)})", _offline_fix()
+            f"--model {source.spec}", f"cannot read its config ({first_line(err)})", _offline_fix()
         ) from None
     except ValueError as err:
         if "trust_remote_code" in str(err):
@@ -91,7 +91,7 @@ def planning_config(spec: str) -> tuple[str, PretrainedConfig]:
         return spec, AutoConfig.from_pretrained(spec)
     except (OSError, ValueError) as err:
         raise UserError(
-            where, f"cannot read its config ({_first_line(err)})", f"use a preset name: {', '.join(PRESETS)}"
+            where, f"cannot read its config ({first_line(err)})", f"use a preset name: {', '.join(PRESETS)}"
         ) from None
 
 
@@ -102,7 +102,7 @@ def load_tokenizer(spec: str, trust_remote_code: bool = False, where: str | None
         tok = AutoTokenizer.from_pretrained(spec, trust_remote_code=trust_remote_code)
     except (OSError, ValueError) as err:
         where = where or f"--tokenizer {spec}"
-        raise UserError(where, f"cannot load tokenizer {spec} ({_first_line(err)})", _offline_fix()) from None
+        raise UserError(where, f"cannot load tokenizer {spec} ({first_line(err)})", _offline_fix()) from None
     if tok.pad_token is None:
         tok.pad_token = tok.eos_token
     return tok
@@ -143,13 +143,13 @@ def build_model(
             source.pretrained, dtype=dtype, use_safetensors=_has_safetensors(source), **kwargs
         )
     except OSError as err:
-        raise UserError(f"--model {source.spec}", f"cannot load weights ({_first_line(err)})", _offline_fix()) from None
+        raise UserError(f"--model {source.spec}", f"cannot load weights ({first_line(err)})", _offline_fix()) from None
     except ValueError as err:
         if experts_implementation is None or "experts implementation" not in str(err):
             raise
         raise UserError(
             f"--experts-impl {experts_implementation}",
-            f"not supported by this model's code ({_first_line(err)})",
+            f"not supported by this model's code ({first_line(err)})",
             "drop --experts-impl",
         ) from None
     if vocab_size is not None and vocab_size > model.get_input_embeddings().num_embeddings:
@@ -185,10 +185,6 @@ def _has_safetensors(source: ModelSource) -> bool | None:
             )
         return True
     return None
-
-
-def _first_line(err: Exception) -> str:
-    return str(err).strip().splitlines()[0][:200] if str(err).strip() else type(err).__name__
 
 
 def _offline_fix() -> str:

@@ -294,7 +294,7 @@ def check_data_tokenizer(args: TrainArgs, meta: dict[str, Any], source: modeling
     assert source.pretrained is not None
     try:
         own = load_tokenizer_identity(source.pretrained, args.trust_remote_code, saved["tokens"])
-    except (OSError, ValueError, UserError):
+    except (OSError, ValueError):
         return
     if own["fingerprint"] != saved["fingerprint"]:
         raise UserError(

@@ -31,7 +31,7 @@ import torch
 from safetensors import safe_open
 from safetensors.torch import save_file
 
-from deepzero.errors import UserError
+from deepzero.errors import UserError, first_line
 
 ADAPTER_KEY = re.compile(r"^(?:base_model\.model\.)?(?P<module>.+)\.lora_(?P<which>[AB])(?:\.default)?\.weight$")
 """An adapter tensor's name, as the engine's peft model holds it or as peft saves it."""
@@ -134,7 +134,7 @@ def base_files(source: str) -> BaseFiles:
         try:
             found = cached_file(source, name, _raise_exceptions_for_missing_entries=False)
         except (OSError, ValueError) as err:  # a missing folder read as a malformed hub id, no hub, ...
-            raise UserError(source, f"cannot read the 16-bit base ({_first_line(err)})", FIX_SOURCE) from None
+            raise UserError(source, f"cannot read the 16-bit base ({first_line(err)})", FIX_SOURCE) from None
         return Path(found) if found else None
 
     config = find("config.json")
@@ -421,10 +421,6 @@ def _dtype_of(files: BaseFiles) -> torch.dtype:
                 if (t := f.get_slice(key)).get_dtype() in ("BF16", "F16", "F32"):
                     return {"BF16": torch.bfloat16, "F16": torch.float16, "F32": torch.float32}[t.get_dtype()]
     return torch.float32
-
-
-def _first_line(err: Exception) -> str:
-    return str(err).strip().splitlines()[0][:200] if str(err).strip() else type(err).__name__
 
 
 def _publish(tmp: Path, final: Path) -> None:

@@ -25,7 +25,7 @@ import torch
 from deepzero import modeling
 from deepzero.adapters.merge import Adapters, MergedExport, export_merged
 from deepzero.distributed import while_one_rank_works
-from deepzero.errors import UserError
+from deepzero.errors import UserError, first_line
 from deepzero.hf_export import attn_implementation_of
 
 FLAG = "--load-in-4bit"
@@ -178,7 +178,7 @@ def check_runnable(four_bit: FourBit, device: str | None = None) -> None:
     try:
         import bitsandbytes as bnb
     except Exception as err:  # a missing package, or a build without a backend for this machine
-        raise UserError(four_bit.origin, f"bitsandbytes cannot be imported ({_first_line(err)})", fix) from None
+        raise UserError(four_bit.origin, f"bitsandbytes cannot be imported ({first_line(err)})", fix) from None
     if device is None:
         from deepspeed.accelerator import get_accelerator
 
@@ -200,7 +200,7 @@ def check_runnable(four_bit: FourBit, device: str | None = None) -> None:
     except Exception as err:  # bitsandbytes raises many types on a device without kernels for this dtype
         raise UserError(
             four_bit.origin,
-            f"bitsandbytes has no 4-bit {four_bit.compute} kernel on {device} ({_first_line(err)})",
+            f"bitsandbytes has no 4-bit {four_bit.compute} kernel on {device} ({first_line(err)})",
             fix,
         ) from None
     if not ok:
@@ -269,7 +269,3 @@ def adapter_state_dict(engine: Any) -> dict[str, torch.Tensor]:
     named = [(n, p) for n, p in engine.module.named_parameters() if p.requires_grad]
     with deepspeed.zero.GatheredParameters([p for _, p in named], enabled=engine.zero_optimization_partition_weights()):
         return {n: p.detach().float().cpu().clone() for n, p in named}
-
-
-def _first_line(err: Exception) -> str:
-    return str(err).strip().splitlines()[0][:200] if str(err).strip() else type(err).__name__
