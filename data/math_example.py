@@ -28,7 +28,12 @@ def chats() -> list[dict]:
     """The cold start: a seeded half of the questions, answered in the boxed format."""
     picked = random.Random(SEED).sample(questions(), len(questions()) // 2)
     return [
-        {"messages": [{"role": "user", "content": q}, {"role": "assistant", "content": f"{q[8:-1]} = $\\boxed{{{c}}}$"}]}
+        {
+            "messages": [
+                {"role": "user", "content": q},
+                {"role": "assistant", "content": f"{q[8:-1]} = $\\boxed{{{c}}}$"},
+            ]
+        }
         for q, c in picked
     ]
 
