@@ -113,6 +113,13 @@ def start(args: list[str], log: Path, nproc: int = 2, env: dict[str, str] | None
     return Job(proc, log)
 
 
+def holding_save(env: dict[str, str], step: int, marker: Path) -> dict[str, str]:
+    """``env`` that also holds rank 0 mid-save at ``step`` (tests/hold_save; a fake CPU in ``env`` stays), touching
+    ``marker`` then."""
+    path = os.pathsep.join(filter(None, [str(REPO / "tests" / "hold_save"), str(REPO), env.get("PYTHONPATH")]))
+    return {**env, "PYTHONPATH": path, "DEEPZERO_HOLD_SAVE": f"{step}:{marker}"}
+
+
 def logged_step(out: Path) -> int:
     """The last step in metrics.jsonl (0 before the first line; a half-written last line is skipped)."""
     path = out / "metrics.jsonl"
@@ -568,17 +575,16 @@ def test_export_cli_turns_a_zero3_checkpoint_into_safetensors_matching_the_train
 @pytest.fixture(scope="module")
 def killed_mid_save(tiny_data: Path, tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, int, float, str]:
     """ZeRO-2 in fp16 on every CPU (its own fp16 or one faked to have it: ``fp16_env``, so the export tests below
-    meet fp16's rounding everywhere), a checkpoint every step (keep 2), rank 0 SIGKILLed while a ``.partial``
-    folder exists."""
+    meet fp16's rounding everywhere), a checkpoint every step (keep 2), rank 0 SIGKILLed in the middle of step 3's
+    save: tests/hold_save holds it there, with DeepSpeed's files written and its own last file not."""
     root = tmp_path_factory.mktemp("sigkill")
     out = root / "run"
+    held = root / "held"
     args = tiny_args(tiny_data, out, "--max-steps", "60", "--save-interval", "1", "--keep-last", "2", "--no-export")
-    job = start([*ZERO2, *args], root / "launcher.log", nproc=2, env=fp16_env())
-    ckpt = out / "checkpoints"
+    job = start([*ZERO2, *args], root / "launcher.log", nproc=2, env=holding_save(fp16_env(), 3, held))
     try:
-        wait_until(job, lambda: logged_step(out) >= 3, "step 3")
+        wait_until(job, held.exists, "rank 0 held mid-save")
         ranks = sorted(job.ranks(), key=lambda p: [a for a in _cmdline(p) if a.startswith("--local_rank")])
-        wait_until(job, lambda: any(ckpt.glob("*.partial")), "a .partial checkpoint", timeout=60, poll=0.002)
         ranks[0].send_signal(signal.SIGKILL)
         rc, seconds = job.wait(EXIT_BOUND_S)
     finally:
