@@ -230,6 +230,7 @@ def plan_four_bit(
         hierarchical=int(cfg.ds.get("zero_optimization", {}).get("zero_hpz_partition_size") or 1) > 1,
         expert_targets=args.lora is not None and "experts" in LoraSpec.parse(args.lora).targets,
         quantized_source=getattr(config, "quantization_config", None) is not None,
+        fused_experts=routed_experts(config) > 0 and not args.trust_remote_code,  # remote code: nn.Linear experts
     )
 
 
@@ -519,6 +520,8 @@ def make_model(args: TrainArgs, plan: RunPlan) -> nn.Module:
         quantization_config=plan.four_bit.bnb_config() if plan.four_bit else None,
         on_host=plan.four_bit is not None and plan.four_bit.load_on_host,
     )
+    if plan.four_bit is not None and plan.four_bit.experts:
+        quant.quantise_experts(model, plan.four_bit)
     model.config.use_cache = False
     plan.savers.apply(model)
     model.train()  # from_pretrained returns it in eval mode (dropout off, routers' training hooks idle)

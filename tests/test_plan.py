@@ -135,12 +135,13 @@ def test_a_4bit_base_holds_its_linears_as_nf4_codes_and_the_rest_in_16_bits(code
         Setup(stage=2, world_size=N, four_bit=True)
 
 
-def test_qlora_fits_32b_and_70b_on_24gb_cards_and_v2_lite_gains_nothing() -> None:
+def test_qlora_fits_32b_and_70b_on_24gb_cards_and_v2_lite_with_its_experts_on_zero2() -> None:
     """3 × 24 GiB at 2,048 tokens. R1-Distill-Qwen-32B: 16-bit LoRA needs ZeRO-3 with parameter offload, QLoRA fits
     ZeRO-3 on the cards. R1-Distill-Llama-70B: its 4-bit base (37.6 GiB) never sits whole on a card (the ranks load it
     on the host in turn, each keeping its ZeRO-3 partition), and it fits with the checkpointed activations offloaded,
-    which the planner tries only after every preset failed with train.py's defaults. V2-Lite's fused routed experts
-    are not nn.Linear, so they stay 16-bit: QLoRA plans what 16-bit LoRA plans."""
+    which the planner tries only after every preset failed with train.py's defaults. V2-Lite: its fused routed experts
+    are quantised too (``quant.quantise_experts``), so its whole 4-bit base (8 GiB) sits on each card under ZeRO-2,
+    where 16-bit LoRA needs ZeRO-3; the ranks load it on the host in turns, its experts 16-bit until quantised."""
     gpu, cpu = 24 * GiB, 128 * GiB
     for name in ("deepseek-r1-distill-qwen-32b", "deepseek-r1-distill-llama-70b"):
         stats = model_stats(PRESETS[name].config(), name)
@@ -160,10 +161,19 @@ def test_qlora_fits_32b_and_70b_on_24gb_cards_and_v2_lite_gains_nothing() -> Non
             savers = plan.SaverTerms.choose(stats.arch)
             assert plan.recommend(stats, N, 2048, gpu, cpu, lora_rank=16, four_bit=True, savers=savers) == qlora
     v2 = model_stats(PRESETS["deepseek-v2-lite"].config(), "deepseek-v2-lite")
-    assert sum(v2.four_bit_numels()) < 0.1 * v2.total and v2.routed_experts > 0.8 * v2.total
+    assert sum(v2.four_bit_numels()) > 0.95 * v2.total and sum(v2.dequantised_experts) == v2.routed_experts
     lora = plan.recommend(v2, N, 2048, gpu, cpu, lora_rank=16)
     qlora = plan.recommend(v2, N, 2048, gpu, cpu, lora_rank=16, four_bit=True)
-    assert lora is not None and qlora is not None and qlora.micro_batch == lora.micro_batch
+    assert lora is not None and lora.setup.stage == 3
+    assert qlora is not None and qlora.setup.stage == 2 and qlora.micro_batch >= lora.micro_batch
+    whole = plan.four_bit_base_bytes(v2, qlora.setup)
+    assert qlora.estimate.load == whole < 9 * GiB  # the whole 4-bit base on each card
+    assert qlora.estimate.host_load > 2 * v2.routed_experts  # one rank's experts in 16 bits, before quantising
+    from deepzero.plan.memory import dequantised_bytes
+
+    # the fused experts a layer dequantises; without checkpointing autograd keeps every layer's for backward
+    assert dequantised_bytes(v2, qlora.setup) == 2 * max(v2.dequantised_experts) == 2 * v2.routed_experts // 26
+    assert dequantised_bytes(v2, replace(qlora.setup, checkpointing=False)) == 2 * v2.routed_experts
 
 
 @pytest.mark.parametrize("name", ["tiny-deepseek-v3", "tiny-deepseek-v2", "qwen2-gqa"])
@@ -521,14 +531,15 @@ def test_max_micro_batch_is_the_largest_that_fits(coder: plan.ModelStats) -> Non
 def test_predicted_bytes_equal_what_deepspeed_holds(
     stage: int, tmp_path: Path, tiny: plan.ModelStats, tiny_data: Path
 ) -> None:
-    """Full fine-tuning of tiny-deepseek-v3 (every state), then train.py's own QLoRA engine in the same launch:
-    the 4-bit base's parameter bytes per rank (NF4 codes, their QuantState, the other weights, the adapters)."""
+    """Full fine-tuning of tiny-deepseek-v3 (every state), then train.py's own QLoRA engine in the same launch on a
+    tiny DeepSeek-V2: the 4-bit base's parameter bytes per rank (NF4 codes of the Linear layers and of the fused
+    routed experts, their QuantStates, the other weights, the adapters)."""
     from helpers.zero_bytes import qlora_argv
-    from test_qlora import pretrained
+    from test_qlora import pretrained_moe
 
     from deepzero.run import plan_run
 
-    out, base = tmp_path / f"zero{stage}.json", pretrained(tmp_path / "qwen2", "zero3")  # a tiny Qwen2
+    out, base = tmp_path / f"zero{stage}.json", pretrained_moe(tmp_path / "v2")
     env = cpu_env(PYTHONPATH=str(REPO))
     qlora = ["--qlora-base", str(base), "--qlora-data", str(tiny_data)]
     launch(
@@ -542,9 +553,12 @@ def test_predicted_bytes_equal_what_deepspeed_holds(
     run = plan_run(parse_args(qlora_argv(stage, str(base), str(tiny_data), str(tmp_path / "qlora"))), N)
     setup = plan.run_setup(run.config, run.engine_settings, run.cfg, run.seq_len, N, True)
     assert setup.four_bit and setup.label() == f"ZeRO-{stage} + QLoRA r8"
-    stats = model_stats(run.config, "qwen2", lora=run.engine_settings.lora)
+    stats = model_stats(run.config, "v2", lora=run.engine_settings.lora)
     quantised = stats.four_bit_numels()
-    assert len(quantised) == 14 and sum(quantised) == 2 * (2 * 64 * 64 + 2 * 64 * 32 + 3 * 64 * 128)  # q o, k v, MLP
+    model = modeling.AutoModelForCausalLM.from_pretrained(base)
+    linears = [m.weight.numel() for m in model.modules() if type(m) is torch.nn.Linear]
+    experts = [p.numel() for n, p in model.named_parameters() if p.dim() == 3]
+    assert experts and sum(quantised) == sum(linears) - model.lm_head.weight.numel() + sum(experts)
     predicted = estimate(stats, setup).params
     for m in measured["ranks"]:
         held = m["qlora"]["params"] + m["qlora"]["quant_state"]

@@ -58,6 +58,17 @@ def pretrained(folder: Path, name: str = "zero2") -> Path:
     return folder
 
 
+def pretrained_moe(folder: Path, preset: str = "tiny-deepseek-v2") -> Path:
+    """A tiny random DeepSeek MoE (fused routed experts) saved in bf16: a base whose experts are quantised too."""
+    from deepzero.presets import get_preset
+
+    torch.manual_seed(0)
+    AutoModelForCausalLM.from_config(get_preset(preset).config(vocab_size=512)).to(torch.bfloat16).save_pretrained(
+        folder
+    )
+    return folder
+
+
 @pytest.fixture(scope="module")
 def base16(tmp_path_factory: pytest.TempPathFactory) -> Path:
     return pretrained(tmp_path_factory.mktemp("qlora_base") / "llama")
@@ -285,21 +296,60 @@ def test_the_offline_export_of_a_qlora_checkpoint_gives_the_runs_own_folders(qlo
     assert main([str(out), "--out", str(tmp_path / "x"), "--dtype", "bf16"]) == 2
 
 
+@pytest.mark.parametrize("storage", [torch.uint8, torch.bfloat16])
+def test_the_fused_experts_are_quantised_and_read_back_as_bitsandbytes_dequantises_them(
+    tmp_path: Path, storage: torch.dtype
+) -> None:
+    """``quant.quantise_experts`` on a tiny DeepSeek-V2: every fused expert tensor becomes NF4 codes (uint8, or under
+    ZeRO-3 the compute dtype) that the module reads back as exactly bitsandbytes' dequantisation of them; the
+    model's other weights are untouched, the counts stay in weights, and LoRA still wraps the shared experts'
+    ``down_proj`` (a leaf name the parametrised ``experts.parametrizations.down_proj`` also ends with)."""
+    from bitsandbytes import functional as bnb_functional
+
+    from deepzero.adapters import quant
+    from deepzero.adapters.lora import LoraSpec, apply_lora
+    from deepzero.flops import count_params
+
+    model = AutoModelForCausalLM.from_pretrained(pretrained_moe(tmp_path / "v2"), dtype=torch.bfloat16)
+    before = {n: p.clone() for n, p in model.named_parameters()}
+    fused = [n for n, p in before.items() if p.dim() == 3]
+    assert fused and count_params(model).total == sum(p.numel() for p in before.values())
+    four_bit = quant.FourBit("bf16", {torch.uint8: "uint8", torch.bfloat16: "bf16"}[storage], experts=True)
+    assert quant.quantise_experts(model, four_bit) == len(fused) and not quant.fused_experts(model)
+    assert count_params(model).total == sum(p.numel() for p in before.values())
+    for name, original in before.items():
+        module_name, key = name.rsplit(".", 1)
+        module = model.get_submodule(module_name)
+        if name not in fused:
+            assert torch.equal(getattr(module, key), original), name
+            continue
+        packed = module.parametrizations[key].original
+        assert (
+            quant.is_packed(packed)
+            and packed.dtype == storage
+            and packed.numel() * packed.element_size() * 2 == original.numel()
+        )
+        expected = bnb_functional.dequantize_4bit(packed, module.parametrizations[key][0].quant_state)
+        assert torch.equal(getattr(module, key), expected) and expected.shape == original.shape, name
+    quant.prepare(model)
+    lora = apply_lora(model, LoraSpec.parse("r=4,targets=mlp"), verbose=False)
+    wrapped = {n for n, m in lora.named_modules() if hasattr(m, "lora_A")}
+    assert any(n.endswith("shared_experts.down_proj") for n in wrapped)
+    assert not any("parametrizations" in n for n in wrapped)
+
+
 @pytest.mark.launcher
 def test_a_v3_base_exports_the_routing_bias_its_balancing_trained(tiny_data: Path, tmp_path: Path) -> None:
     """QLoRA on a DeepSeek-V3 base with the default balancing (the routing bias moves every step): the export
     writes the bias the run trained (the one its last checkpoint holds), not the source's."""
-    from deepzero.presets import get_preset
 
-    base = tmp_path / "v3"
-    torch.manual_seed(0)
-    config = get_preset("tiny-deepseek-v3").config(vocab_size=512)
-    AutoModelForCausalLM.from_config(config).to(torch.bfloat16).save_pretrained(base)
+    base = pretrained_moe(tmp_path / "v3", "tiny-deepseek-v3")
     out = tmp_path / "run"
     args = ["--deepspeed_config", "ds_configs/zero2.json", "--model", str(base), "--data", str(tiny_data)]
     args += ["--out", str(out), "--lora", "r=8,targets=attn", "--load-in-4bit", "--max-steps", "4", "--lr", "1e-2"]
     args += ["--micro-batch", "2", "--grad-accum", "1", "--log-interval", "1", "--eval-interval", "0"]
-    launch(args, timeout=600)
+    proc = launch(args, timeout=600)
+    assert "routed experts too, read on the host one rank at a time)" in proc.stdout, proc.stdout[-3000:]
     (export,) = records(out, "export")
     assert export["ok"] and export["trained_buffers"] >= 1, export
     states = torch.load(next((out / "checkpoints" / "step00000004").glob("*model_states.pt")), weights_only=False)

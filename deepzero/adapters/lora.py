@@ -235,15 +235,16 @@ def _why_not(model: torch.nn.Module, target: str, leaf_names: list[str]) -> str:
     return f"'{target}' matches no module" + (f" (did you mean '{close[0]}'?)" if close else "")
 
 
-def lora_config(spec: LoraSpec, targets: Targets) -> Any:
-    """The peft LoraConfig for ``spec`` (plain LoRA: no DoRA, no rsLoRA, no bias, no modules_to_save)."""
+def lora_config(spec: LoraSpec, targets: Targets, full_names: list[str] | None = None) -> Any:
+    """The peft LoraConfig for ``spec`` (plain LoRA: no DoRA, no rsLoRA, no bias, no modules_to_save), targeting
+    ``targets``' leaf names or, given, exactly the modules ``full_names``."""
     from peft import LoraConfig
 
     return LoraConfig(
         r=spec.r,
         lora_alpha=spec.lora_alpha,
         lora_dropout=spec.dropout,
-        target_modules=list(targets.modules),
+        target_modules=list(full_names if full_names is not None else targets.modules),
         target_parameters=list(targets.parameters) or None,
         bias="none",
         task_type="CAUSAL_LM",
@@ -289,7 +290,9 @@ def apply_lora(model: torch.nn.Module, spec: LoraSpec, verbose: bool = True) -> 
     targets = resolve_targets(model, spec)
     expected_linear = targets.wrapped_modules(model)
     expected_experts = [n for n in expert_param_names(model) if any(_matches(n, t) for t in targets.parameters)]
-    peft_model = wrap(model, lora_config(spec, targets))
+    # a parametrised module (4-bit experts: ``experts.parametrizations.down_proj``) would match a leaf name: full names
+    parametrised = any(".parametrizations." in n for n, _ in model.named_modules())
+    peft_model = wrap(model, lora_config(spec, targets, expected_linear if parametrised else None))
     base = peft_model.get_base_model()
     linear = sorted(
         n for n, m in base.named_modules() if hasattr(m, "lora_A") and isinstance(_base_layer(m), torch.nn.Linear)

@@ -1,4 +1,6 @@
-"""A 4-bit base under ZeRO-3, partitioned while it loads, so that no card ever holds the whole base.
+"""A 4-bit base loaded on the host a rank at a time: under ZeRO-3 partitioned while it loads, so that no card ever
+holds the whole base; under ZeRO-0/1/2 a base with fused routed experts, quantised on the host (Transformers leaves
+them in 16 bits, which would not fit a card: ``quant.quantise_experts``), then moved to the card whole.
 
 Transformers skips ``zero.Init`` for a quantised load: every rank would put the whole 4-bit base on its card before
 ``deepspeed.initialize`` partitions it (35 GiB for R1-Distill-Llama-70B, more than a 24 GiB card). Here the ranks of
@@ -26,6 +28,7 @@ from deepspeed.accelerator import get_accelerator
 from torch import nn
 
 from deepzero import modeling
+from deepzero.adapters.quant import quant_states
 from deepzero.errors import UserError
 
 
@@ -48,10 +51,12 @@ TURN_TIMEOUT = timedelta(hours=3)
 than the main group's collective timeout (DeepSpeed's default: 10 minutes)."""
 
 
-def load_partitioned(build_model: Callable[[], nn.Module], ds_config: dict) -> tuple[nn.Module, list[int]]:
+def load_in_turns(build_model: Callable[[], nn.Module], ds_config: dict) -> tuple[nn.Module, list[int]]:
     """``build_model()`` (a 4-bit base loaded on the host) on each rank of a machine in turn, partitioned for ZeRO-3
-    before the next rank starts, and its :func:`fingerprint`; the loading rank uses every core of the machine. Every rank calls it (torchrun
-    sets LOCAL_WORLD_SIZE, DeepSpeed's launcher LOCAL_SIZE; without either, the whole world takes turns)."""
+    (else moved to the card whole) before the next rank starts, and its :func:`fingerprint`; the loading rank uses
+    every core of the machine. Every rank calls it (torchrun sets LOCAL_WORLD_SIZE, DeepSpeed's launcher LOCAL_SIZE;
+    without either, the whole world takes turns)."""
+    partition = int(ds_config.get("zero_optimization", {}).get("stage", 0)) == 3
     local_rank = int(os.environ.get("LOCAL_RANK", "0"))
     local_size = int(os.environ.get("LOCAL_WORLD_SIZE") or os.environ.get("LOCAL_SIZE") or os.environ["WORLD_SIZE"])
     device = torch.device(get_accelerator().device_name(local_rank))
@@ -67,8 +72,11 @@ def load_partitioned(build_model: Callable[[], nn.Module], ds_config: dict) -> t
                 with modeling.zero3_init_off():  # Transformers refuses a device_map while zero.Init is on
                     model = build_model()
                 prints = fingerprint(model)
-                converter = _PartitionAlone(module=model, config_dict_or_path=ds_config)
-                converter.alone = False
+                if partition:
+                    converter = _PartitionAlone(module=model, config_dict_or_path=ds_config)
+                    converter.alone = False
+                else:
+                    model.to(device)
                 move_the_rest(model, device)
             finally:
                 torch.set_num_threads(threads)
@@ -106,12 +114,11 @@ def check_same_everywhere(prints: list[int]) -> None:
 
 @torch.no_grad()
 def move_the_rest(model: nn.Module, device: torch.device) -> None:
-    """What ``zero.Init`` leaves on the host, to the card: buffers (RoPE's ``inv_freq``) and each 4-bit weight's
+    """What ``zero.Init`` or ``.to`` leaves on the host, to the card: buffers (RoPE's ``inv_freq``) and every
     ``QuantState`` (not parameters; the engine does not move a model that is already partitioned)."""
     for module in model.modules():
         for name, buffer in module.named_buffers(recurse=False):
             if buffer.device != device:
                 module._buffers[name] = buffer.to(device)
-        state = getattr(getattr(module, "weight", None), "quant_state", None)
-        if state is not None:
-            state.to(device)
+    for state in quant_states(model):
+        state.to(device)

@@ -9,6 +9,13 @@ Transformers never partitions a quantised model at load (its ``zero.Init`` is sk
 every card holds the whole 4-bit base anyway; under ZeRO-3 the ranks of a machine load it on the host one at a time
 and keep only their partition (``deepzero.adapters.partitioned_load``). The planner counts both loads.
 
+Transformers' 4-bit loader quantises ``nn.Linear`` layers only. An MoE model's routed experts are fused 3-D
+parameters (``mlp.experts.gate_up_proj`` / ``down_proj``: 14.1 B of DeepSeek-V2-Lite's 15.7 B weights) that it leaves
+in 16 bits. ``quantise_experts`` puts them in NF4 too, with bitsandbytes' parametrisation
+(``bitsandbytes.nn.parametrize``): each is dequantised when its layer runs, once per forward. A model with such
+experts loads on the host, a rank of each machine at a time, under every ZeRO stage: no card ever holds them in 16
+bits.
+
 The export merges the trained adapters into the original 16-bit base read again from the model source (not the NF4
 blocks dequantised), shard by shard, and writes a plain Transformers folder plus the adapters alone in peft's format
 (``deepzero.adapters.merge``). A checkpoint holds the adapters only (``deepzero.adapters.checkpoint``).
@@ -70,8 +77,11 @@ class FourBit:
     origin: str = FLAG
     """Where it was asked for: the flag or the preset's key (for the header and the errors)."""
     load_on_host: bool = False
-    """ZeRO-3: each rank reads the base into host RAM in turn and keeps its partition (``deepzero.adapters.partitioned_load``);
+    """Each rank reads the base into host RAM in turn (``deepzero.adapters.partitioned_load``) and keeps its
+    partition (ZeRO-3) or moves it to its card (a model with fused routed experts, quantised on the host first);
     otherwise each tensor goes straight to the card as it loads."""
+    experts: bool = False
+    """The fused routed experts are quantised too (``quantise_experts``)."""
 
     def bnb_config(self) -> Any:
         from transformers import BitsAndBytesConfig
@@ -81,12 +91,17 @@ class FourBit:
             bnb_4bit_quant_type="nf4",
             bnb_4bit_use_double_quant=True,
             bnb_4bit_compute_dtype=DTYPES[self.compute],
-            bnb_4bit_quant_storage=DTYPES.get(self.storage, torch.uint8),
+            bnb_4bit_quant_storage=self.storage_dtype,
         )
 
     def describe(self) -> str:
+        experts = ", routed experts too" if self.experts else ""
         turns = ", read on the host one rank at a time" if self.load_on_host else ""
-        return f"  base in 4 bits (NF4, double quant, compute {self.compute}, storage {self.storage}{turns})"
+        return f"  base in 4 bits (NF4, double quant, compute {self.compute}, storage {self.storage}{experts}{turns})"
+
+    @property
+    def storage_dtype(self) -> torch.dtype:
+        return DTYPES.get(self.storage, torch.uint8)
 
     def to_json(self) -> dict[str, Any]:
         return {"quant_type": "nf4", "double_quant": True, "compute": self.compute, "storage": self.storage}
@@ -121,6 +136,7 @@ def choose(
     hierarchical: bool = False,
     expert_targets: bool = False,
     quantized_source: bool = False,
+    fused_experts: bool = False,
 ) -> FourBit | None:
     """The 4-bit base the run asked for, or one line saying why this run cannot have it."""
     if origin is None:
@@ -167,7 +183,8 @@ def choose(
             "ZeRO++'s hierarchical partitioning (zero_hpz_partition_size) of a 4-bit base is not supported here",
             "drop zero_optimization.zero_hpz_partition_size",
         )
-    four_bit = FourBit(precision, precision if stage == 3 else "uint8", origin, load_on_host=stage == 3)
+    storage = precision if stage == 3 else "uint8"
+    four_bit = FourBit(precision, storage, origin, load_on_host=stage == 3 or fused_experts, experts=fused_experts)
     check_runnable(four_bit)
     return four_bit
 
@@ -227,7 +244,65 @@ def prepare(model: torch.nn.Module) -> torch.nn.Module:
 def is_packed(param: torch.Tensor) -> bool:
     """A 4-bit weight: two NF4 codes per byte, stored as uint8 or (ZeRO-3) reinterpreted as the compute dtype, so
     its "float" values are arbitrary bit patterns (NaN among them), never weights."""
-    return type(param).__name__ == "Params4bit"
+    return type(param).__name__ == "Params4bit" or getattr(param, PACKED_EXPERTS, False)
+
+
+PACKED_EXPERTS = "deepzero_packed_experts"
+"""Attribute set on the parameter that holds a fused expert tensor's NF4 codes (``quantise_experts``)."""
+FUSED_EXPERTS = ("gate_up_proj", "down_proj")
+"""The routed experts' fused 3-D parameters in Transformers 5 (``mlp.experts``), which its 4-bit loader skips."""
+
+
+def fused_experts(model: torch.nn.Module) -> list[tuple[str, torch.nn.Module, str]]:
+    """(module name, module, parameter name) of every fused 3-D routed-expert parameter still in floating point."""
+    return [
+        (name, module, key)
+        for name, module in model.named_modules()
+        if name.endswith("experts")
+        for key in FUSED_EXPERTS
+        if isinstance(module._parameters.get(key), torch.nn.Parameter) and module._parameters[key].dim() == 3
+    ]
+
+
+@torch.no_grad()
+def quantise_experts(model: torch.nn.Module, four_bit: FourBit) -> int:
+    """The fused routed experts in NF4 with double quantisation, blocks of 64, stored as ``four_bit.storage``
+    (bitsandbytes quantises them where they are: on the host for a load in turns). Each stays an attribute of its
+    module, dequantised to the compute dtype when read (bitsandbytes' parametrisation, cached for one forward of the
+    experts module). Returns how many tensors were quantised."""
+    import torch.nn.utils.parametrize as parametrize
+    from bitsandbytes import functional as bnb_functional
+    from bitsandbytes.nn.parametrize import Bnb4bitParametrization, _register_parametrization_hooks
+
+    found = fused_experts(model)
+    for _, module, key in found:
+        weight = module._parameters[key].data.to(DTYPES[four_bit.compute])
+        codes, state = bnb_functional.quantize_4bit(
+            weight, blocksize=BLOCK, compress_statistics=True, quant_type="nf4", quant_storage=four_bit.storage_dtype
+        )
+        packed = torch.nn.Parameter(codes, requires_grad=False)
+        setattr(packed, PACKED_EXPERTS, True)
+        packed.quant_state = state  # as on bitsandbytes' Params4bit: the weight's shape, for counting it
+        setattr(module, key, packed)
+        del weight
+        parametrize.register_parametrization(module, key, Bnb4bitParametrization(state), unsafe=True)
+        _register_parametrization_hooks(module, key)
+    return len(found)
+
+
+def quant_states(model: torch.nn.Module) -> list[Any]:
+    """Every ``QuantState`` of the model (not parameters nor buffers: ``.to`` and ``zero.Init`` leave them where
+    they are): the 4-bit Linear weights' and the quantised experts' parametrisations'."""
+    from bitsandbytes.nn.parametrize import Bnb4bitParametrization
+
+    out = {}
+    for module in model.modules():
+        state = getattr(getattr(module, "weight", None), "quant_state", None)
+        if isinstance(module, Bnb4bitParametrization):
+            state = module.quant_state
+        if state is not None:
+            out[id(state)] = state
+    return list(out.values())
 
 
 # ------------------------------------------------------------------ export

@@ -27,7 +27,7 @@ from deepzero import sequence_parallel as sp
 from deepzero.adapters import checkpoint as adapter_checkpoint
 from deepzero.adapters import quant
 from deepzero.adapters.lora import LoraSpec, apply_lora, export_lora_hf
-from deepzero.adapters.partitioned_load import fingerprint, load_partitioned
+from deepzero.adapters.partitioned_load import fingerprint, load_in_turns
 from deepzero.dsconfig import BatchMath
 from deepzero.engines.base import Batch, DeepSpeedBacked, ModelFactory, mean_eval_loss
 from deepzero.errors import UserError
@@ -97,8 +97,8 @@ class ZeroEngine(DeepSpeedBacked):
         stage = int(ds_config.get("zero_optimization", {}).get("stage", 0))
         keep_alive = modeling.zero3_context(ds_config) if stage == 3 else None
         prints = None
-        if four_bit is not None and four_bit.load_on_host:
-            model, prints = load_partitioned(build_model, ds_config)
+        if four_bit is not None and four_bit.load_on_host:  # in the training dtype, as DeepSpeed casts the others
+            model, prints = load_in_turns(lambda: cast_the_unpartitioned(build_model(), ds_config), ds_config)
         else:
             model = build_model()
             prints = fingerprint(model) if four_bit is not None else None
@@ -213,14 +213,16 @@ AVG_SCATTER = "_DeepSpeedZeroOptimizer_Stage3__avg_scatter_grads"
 """ZeRO-3's reduce-scatter of gradients (``__avg_scatter_grads``), which :func:`stage3_gradient_factor` probes."""
 
 
-def cast_the_unpartitioned(model: nn.Module, ds_config: dict[str, Any]) -> None:
+def cast_the_unpartitioned(model: nn.Module, ds_config: dict[str, Any]) -> nn.Module:
     """DeepSpeed casts a model to the training dtype only where it partitions the model itself; after a load that
     partitioned the base (``zero.Init``), the parameters added since (LoRA adapters, fp32 from peft) are cast here,
-    as they are in every other engine (``modeling.cast_parameters`` leaves the partitioned ones alone)."""
+    as they are in every other engine (``modeling.cast_parameters`` leaves the partitioned ones alone), and so are
+    the modules a 4-bit load keeps in fp32 (DeepSeek's routers) before the base is partitioned."""
     if ds_config.get("bf16", {}).get("enabled"):
         modeling.cast_parameters(model, torch.bfloat16)
     elif ds_config.get("fp16", {}).get("enabled"):
         modeling.cast_parameters(model, torch.float16)
+    return model
 
 
 def stage3_gradient_factor(optimizer: Any, param: Any, size: int) -> float:

@@ -7,6 +7,7 @@ from dataclasses import dataclass
 import torch
 from transformers import AutoModelForCausalLM, PretrainedConfig
 
+from deepzero.adapters import quant
 from deepzero.adapters.lora import LoraSpec
 from deepzero.flops import routed_experts
 
@@ -66,8 +67,11 @@ class ModelStats:
     """Per decoder layer: whether its MLP is a mixture of experts."""
     four_bit_mask: tuple[bool, ...] = ()
     """Per entry of ``param_numels``: whether a 4-bit load (``--load-in-4bit``) quantises it. Transformers'
-    bitsandbytes loader replaces every ``nn.Linear`` but the output embedding (and the model's fp32 modules), so
-    routers and fused routed experts, which are not ``nn.Linear``, stay in the training dtype."""
+    bitsandbytes loader replaces every ``nn.Linear`` but the output embedding (and the model's fp32 modules);
+    ``quant.quantise_experts`` adds the fused routed experts. Routers stay in the training dtype."""
+    dequantised_experts: tuple[int, ...] = ()
+    """Per MoE layer, the weights of its 4-bit fused experts: dequantised together while the layer runs (and kept
+    for backward by autograd unless activation checkpointing recomputes the layer)."""
 
     def four_bit_numels(self) -> tuple[int, ...]:
         """Numel of every weight a 4-bit load quantises, in model order."""
@@ -144,6 +148,7 @@ def model_stats(config: PretrainedConfig, name: str = "model", lora: LoraSpec | 
         stages,
         moe_mask,
         _four_bit_mask(model, params),
+        tuple(_experts_per_layer(model).values()),
     )
 
 
@@ -156,7 +161,16 @@ def _four_bit_mask(model: torch.nn.Module, params: list[torch.nn.Parameter]) -> 
     skip = get_keys_to_not_convert(model) + list(getattr(model, "_keep_in_fp32_modules", None) or [])
     linears = model.named_modules()
     quantised = {id(m.weight) for n, m in linears if type(m) is torch.nn.Linear and should_convert_module(n, skip)}
+    quantised |= {id(m._parameters[k]) for _, m, k in quant.fused_experts(model)}
     return tuple(id(p) in quantised for p in params)
+
+
+def _experts_per_layer(model: torch.nn.Module) -> dict[str, int]:
+    """Weights of the fused routed experts, per experts module (``ModelStats.dequantised_experts``)."""
+    out: dict[str, int] = {}
+    for name, module, key in quant.fused_experts(model):
+        out[name] = out.get(name, 0) + module._parameters[key].numel()
+    return out
 
 
 def _lora_shapes(model: torch.nn.Module, spec: LoraSpec | None) -> tuple[tuple[int, int], ...]:

@@ -275,10 +275,19 @@ def _states(stats: ModelStats, setup: Setup, share: Share) -> tuple[int, int, in
         buffers = p * k.reduce_bucket_size * (2 if overlap else 1)
     else:
         buffers = 0
-    if setup.four_bit:  # the 4-bit layer being computed, dequantised to the compute dtype for its matmul
-        buffers += p * max(stats.four_bit_numels(), default=0)
+    if setup.four_bit:
+        buffers += dequantised_bytes(stats, setup)
     params += reference_copy_bytes(stats, setup)  # GRPO's frozen reference (beta > 0, full fine-tuning)
     return params, grads, optimizer, step, buffers, rs
+
+
+def dequantised_bytes(stats: ModelStats, setup: Setup) -> int:
+    """A 4-bit base's weights in the compute dtype at once: the layer being computed (a Linear's weight, or a MoE
+    layer's fused experts, all dequantised while the layer runs), and without activation checkpointing every MoE
+    layer's experts, which autograd keeps for backward (checkpointing recomputes them a layer at a time)."""
+    in_flight = max((*stats.four_bit_numels(), *stats.dequantised_experts), default=0)
+    kept = 0 if setup.checkpointing else sum(stats.dequantised_experts)
+    return setup.bytes_per_value * max(in_flight, kept)
 
 
 def host_bytes(stats: ModelStats, setup: Setup, rs: RankStates) -> tuple[int, int, int]:
@@ -298,12 +307,14 @@ def host_bytes(stats: ModelStats, setup: Setup, rs: RankStates) -> tuple[int, in
     # ZeRO-3 partitions module by module while loading; a 4-bit load puts each tensor on the card as it reads it
     streamed = setup.layout is None and (setup.stage == 3 or setup.four_bit)
     load = procs * load_bytes * (stats.largest_module if streamed else stats.total)
-    if setup.four_bit and setup.stage == 3:  # the ranks take turns: one whole 4-bit base in host RAM at a time (the
-        # adapters are made on the card), plus the 16-bit tensor being read and, for a quantised one, the quantiser's
+    if setup.four_bit and (setup.stage == 3 or stats.dequantised_experts):  # the ranks take turns: one whole
+        # 4-bit base in host RAM at a time (the adapters are made on the card) with its fused experts still in 16 bits
+        # (quantised once loaded), plus the 16-bit tensor being read and, for a quantised one, the quantiser's
         reading = [p * n for n in stats.param_numels] + [
             (p + quant.QUANTISE_BYTES) * n for n in stats.four_bit_numels()
         ]
-        load = four_bit_base_bytes(stats, setup, adapters=False) + max(reading)
+        experts = p * sum(stats.dequantised_experts)
+        load = four_bit_base_bytes(stats, setup, adapters=False) + experts + max(reading)
     export = export_host_bytes(stats, setup) if setup.four_bit else 0  # rank 0, once the others only wait
     return procs * HOST_PER_RANK + max(load, host_states, export), host_states, load
 

@@ -212,7 +212,7 @@ def render(stats: ModelStats, world_size: int, gpu_mem_gb: float, cpu_mem_gb: fl
         quantised = sum(stats.four_bit_numels())
         lines.append(
             f"QLoRA quantises {_count(quantised)} of the {_count(stats.total)} parameters (every nn.Linear but the"
-            " LM head; routers and fused routed experts stay 16-bit). ZeRO-2 loads the whole 4-bit base on every"
+            " LM head, and fused routed experts; routers stay 16-bit). ZeRO-2 loads the whole 4-bit base on every"
             " card; under ZeRO-3 the ranks load it in host RAM one at a time and each card keeps its partition"
             " (GPU and host count that load where it is the peak)."
         )
