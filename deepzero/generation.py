@@ -1,10 +1,14 @@
 """Completions for GRPO: one small interface (``CompletionSampler``) and its Transformers ``generate`` backend.
 
-A sampler turns one prompt into ``count`` completions on the model's current weights. Each group (one prompt's
-completions) is drawn from its own random stream, seeded by ``(seed, generation, prompt index)``: the same prompt
-at the same generation gives the same completions on any rank, in any world size, and after a resume (the
-checkpoint records the seed and the generations done, ``GroupSeeds``). ``generate`` runs one call per group, its
-``count`` rows batched with a KV cache; a faster backend (vLLM, a batched server) plugs in as another sampler.
+A sampler turns prompt rows into one completion each on the model's current weights, all of a rank's rows in one
+batched call (or in chunks of ``batch_rows``). Each row draws its tokens from its own random stream, seeded by
+``(seed, generation, prompt index, row of the group)`` (``GroupSeeds``): a row's completion does not depend on
+which other rows share its call, so the same prompt at the same generation gives the same completions on any rank,
+in any world size, in any batch, and after a resume (the checkpoint records the seed and the generations done).
+Transformers' own sampling draws every row from one stream (``torch.multinomial`` on the batch), so a row's tokens
+would change with the batch around it; here ``RowStreams`` samples instead, by inverse CDF on each row's own
+uniforms, after Transformers' own warpers (temperature, top-p, top-k, min-p), and ``generate`` runs greedy over
+the one token it leaves. A faster backend (vLLM, continuous batching) plugs in as another sampler.
 """
 
 from __future__ import annotations
@@ -18,7 +22,7 @@ import torch
 
 @dataclass
 class GroupSeeds:
-    """The sampling RNG of a run: every group's stream is derived from the run's seed and its position."""
+    """The sampling RNG of a run: every row's stream is derived from the run's seed and its position."""
 
     seed: int
     generations: int = 0
@@ -26,8 +30,12 @@ class GroupSeeds:
 
     def of(self, generation: int, index: int) -> int:
         """The seed of prompt ``index``'s group at ``generation``."""
-        digest = hashlib.sha256(f"{self.seed}:{generation}:{index}".encode()).digest()
-        return int.from_bytes(digest[:8], "little") % (2**63 - 1)
+        return _hash(f"{self.seed}:{generation}:{index}")
+
+    def rows(self, generation: int, index: int, count: int) -> list[int]:
+        """The seeds of the ``count`` rows of prompt ``index``'s group at ``generation``."""
+        group = self.of(generation, index)
+        return [_hash(f"{group}:{row}") for row in range(count)]
 
     def state_dict(self) -> dict[str, int]:
         return {"seed": self.seed, "generations": self.generations}
@@ -36,46 +44,102 @@ class GroupSeeds:
         self.seed, self.generations = int(state["seed"]), int(state["generations"])
 
 
-class CompletionSampler(Protocol):
-    """Samples completions of one prompt on the model's current weights."""
+def _hash(text: str) -> int:
+    digest = hashlib.sha256(text.encode()).digest()
+    return int.from_bytes(digest[:8], "little") % (2**63 - 1)
 
-    def sample(self, model: Any, prompt_ids: torch.Tensor, count: int, seed: int | None) -> list[list[int]]:
-        """``count`` completions (token ids, each ending at its first end-of-sequence token, which is kept) of
-        ``prompt_ids`` (1-D, unpadded); ``seed`` None: greedy."""
+
+class CompletionSampler(Protocol):
+    """Samples one completion per prompt row on the model's current weights."""
+
+    eos_ids: tuple[int, ...]
+
+    def sample(self, model: Any, prompts: list[torch.Tensor], seeds: list[int] | None) -> list[list[int]]:
+        """A completion (token ids, ending at its first end-of-sequence token, which is kept) of each of ``prompts``
+        (1-D, unpadded), row ``i`` drawn from the stream ``seeds[i]``; ``seeds`` None: greedy."""
         ...
+
+
+class RowStreams:
+    """A logits processor that picks each row's next token from that row's own stream: Transformers' warpers
+    (``warpers``) on the row's logits, the softmax, and the token where the row's next uniform falls in its CDF.
+    It returns logits that are −inf but at that token, so ``generate`` in greedy mode takes it. The uniforms are
+    drawn up front, ``steps`` per row, each row from a generator seeded with its own seed."""
+
+    def __init__(self, seeds: list[int], steps: int, prompt_len: int, warpers: Any, device: torch.device) -> None:
+        draws = [torch.rand(steps, generator=torch.Generator().manual_seed(s), dtype=torch.float64) for s in seeds]
+        self.uniforms = torch.stack(draws).to(device)
+        self.prompt_len = prompt_len
+        self.warpers = warpers
+
+    def __call__(self, input_ids: torch.Tensor, scores: torch.Tensor) -> torch.Tensor:
+        step = input_ids.shape[1] - self.prompt_len
+        scores = self.warpers(input_ids, scores)
+        cdf = torch.softmax(scores.double(), dim=-1).cumsum(dim=-1)
+        point = self.uniforms[:, step : step + 1] * cdf[:, -1:]
+        token = torch.searchsorted(cdf, point).clamp_(max=scores.shape[-1] - 1)
+        chosen = torch.full_like(scores, -torch.inf)
+        return chosen.scatter_(1, token, 0.0)
 
 
 @dataclass
 class HFGenerate:
-    """Transformers' ``generate`` (KV cache, the ``count`` rows of a group batched), sampling with ``temperature``
-    and ``top_p`` (top-k off, as TRL's default), stopping at ``eos_ids`` or after ``max_new_tokens``."""
+    """Transformers' ``generate`` (KV cache, left-padded rows, positions from the attention mask), sampling with
+    ``temperature`` and ``top_p`` (top-k off, as TRL's default) row by row (``RowStreams``), stopping at
+    ``eos_ids`` or after ``max_new_tokens``; ``batch_rows`` rows per call (None: all in one)."""
 
     max_new_tokens: int
     eos_ids: tuple[int, ...]
     pad_id: int
     temperature: float = 1.0
     top_p: float = 1.0
+    batch_rows: int | None = None
+
+    def sample(self, model: Any, prompts: list[torch.Tensor], seeds: list[int] | None) -> list[list[int]]:
+        size = self.batch_rows or max(len(prompts), 1)
+        out: list[list[int]] = []
+        for start in range(0, len(prompts), size):
+            chunk = slice(start, start + size)
+            out += self._call(model, prompts[chunk], None if seeds is None else seeds[chunk])
+        return out
 
     @torch.no_grad()
-    def sample(self, model: Any, prompt_ids: torch.Tensor, count: int, seed: int | None) -> list[list[int]]:
-        inputs = prompt_ids.view(1, -1).expand(count, -1)
+    def _call(self, model: Any, prompts: list[torch.Tensor], seeds: list[int] | None) -> list[list[int]]:
+        from transformers import LogitsProcessorList, TemperatureLogitsWarper, TopPLogitsWarper
+
+        inputs, mask = left_padded(prompts, self.pad_id)
         kwargs: dict[str, Any] = {
             "max_new_tokens": self.max_new_tokens,
             "eos_token_id": list(self.eos_ids),
             "pad_token_id": self.pad_id,
             "use_cache": True,
-            "attention_mask": torch.ones_like(inputs),
+            "attention_mask": mask,
+            "do_sample": False,
+            "temperature": None,
+            "top_p": None,
+            "top_k": None,
         }
-        if seed is None:
-            kwargs.update(do_sample=False, temperature=None, top_p=None, top_k=None)
-        else:
-            kwargs.update(do_sample=True, temperature=self.temperature, top_p=self.top_p, top_k=0)
-        devices = [prompt_ids.device] if prompt_ids.device.type == "cuda" else []
-        with torch.random.fork_rng(devices=devices):
-            if seed is not None:
-                torch.manual_seed(seed)
-            out = model.generate(inputs, **kwargs)
+        if seeds is not None:
+            warpers = LogitsProcessorList()
+            if self.temperature != 1.0:
+                warpers.append(TemperatureLogitsWarper(self.temperature))
+            if self.top_p < 1.0:
+                warpers.append(TopPLogitsWarper(self.top_p))
+            streams = RowStreams(seeds, self.max_new_tokens, inputs.shape[1], warpers, inputs.device)
+            kwargs["logits_processor"] = LogitsProcessorList([streams])
+        out = model.generate(inputs, **kwargs)
         return [cut_at_eos(row[inputs.shape[1] :].tolist(), self.eos_ids) for row in out]
+
+
+def left_padded(prompts: list[torch.Tensor], pad_id: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """``prompts`` (1-D) as one left-padded batch and its attention mask."""
+    width = max(len(p) for p in prompts)
+    ids = torch.full((len(prompts), width), pad_id, dtype=torch.long, device=prompts[0].device)
+    mask = torch.zeros_like(ids)
+    for i, prompt in enumerate(prompts):
+        ids[i, width - len(prompt) :] = prompt
+        mask[i, width - len(prompt) :] = 1
+    return ids, mask
 
 
 def cut_at_eos(ids: list[int], eos_ids: tuple[int, ...]) -> list[int]:

@@ -356,3 +356,22 @@ def test_grpo_on_a_4bit_base_under_zero3(rl: dict, rl_runs: dict) -> None:
     assert sorted(steps) == list(range(1, STEPS + 1))
     assert steps[1]["kl"] == 0 and steps[STEPS]["kl"] > 0, steps
     assert all(steps[s]["grad_norm"] > 0 and 0 <= steps[s]["reward"] <= 1 for s in (1, 3)), steps
+
+
+@pytest.mark.launcher
+def test_zero3_generation_gathers_every_parameter_once_and_fetches_nothing_per_token(rl: dict, tmp_path) -> None:
+    """train.py's GRPO engine under ZeRO-3 on 2 ranks, its first step: while it generates, every parameter is
+    gathered (once, before the first token) and DeepSpeed's coordinator fetches and releases nothing (its hooks are
+    off, as TRL's ``unwrap_model_for_generation`` does); the same generation with the hooks on fetches modules at
+    every decoding step, which shows the counter would see it."""
+    from tests.conftest import REPO, cpu_env, launch
+
+    out = tmp_path / "fetches.json"
+    args = grpo_args(rl, tmp_path / "run", "share", 1)
+    args[args.index("ds_configs/zero2.json")] = "ds_configs/zero3.json"
+    env = cpu_env(PYTHONPATH=str(REPO))
+    launch(["--out", str(out), "--", *args], nproc=2, env=env, script="tests/helpers/generation_fetches.py")
+    counts = json.loads(out.read_text())
+    assert counts["gathered"] == counts["params"] > 0
+    assert counts["generating"] == {}, counts
+    assert counts["hooks_on"].get("fetch_sub_module", 0) > counts["params"], counts

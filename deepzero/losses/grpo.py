@@ -257,14 +257,11 @@ class GRPO:
         model = _module(engine)
         ids, index = _unpadded(prompts), prompts["index"].tolist()
         generation = self.seeds.generations
-        with _generating(engine, model):
-            completions = [
-                c
-                for i, p in zip(index, ids, strict=True)
-                for c in self.sampler.sample(model, p, g, self.seeds.of(generation, i))
-            ]
-        self.seeds.generations += 1
         rows_prompts = [p for p in ids for _ in range(g)]
+        seeds = [seed for i in index for seed in self.seeds.rows(generation, i, g)]
+        with _generating(engine, model):
+            completions = self.sampler.sample(model, rows_prompts, seeds)
+        self.seeds.generations += 1
         records = [self.data.record(i) for i in index for _ in range(g)]
         texts = [self.data.prompt_text(i) for i in index for _ in range(g)]
         total, per_name = self.score(texts, completions, records, [i for i in index for _ in range(g)])
@@ -351,7 +348,7 @@ class GRPO:
         mod = _module(model)
         ids, index = _unpadded(batch), batch["index"].tolist()
         with _generating(model, mod):
-            completions = [c for p in ids for c in self.sampler.sample(mod, p, 1, None)]
+            completions = self.sampler.sample(mod, ids, None)
         records = [self.data_eval.record(i) for i in index]
         texts = [self.data_eval.prompt_text(i) for i in index]
         total, per_name = self.score(texts, completions, records, index)
@@ -484,11 +481,13 @@ def _uncounted() -> Any:
 
 
 class _generating:
-    """Generation mode: eval (no dropout), routers not counting, ZeRO-3's parameters gathered once for the whole
-    generation (TRL's ``ds3_gather_for_generation``: each rank holds the whole model meanwhile)."""
+    """Generation mode: eval (no dropout), routers not counting, and under ZeRO-3 every parameter gathered once for
+    the whole generation with DeepSpeed's fetch and release hooks off, as TRL's ``unwrap_model_for_generation``
+    does (its ``remove_hooks`` / ``add_hooks``): each rank holds the whole model meanwhile (a 4-bit base as its
+    packed codes), and no forward of a decoding step fetches anything."""
 
     def __init__(self, engine: Any, model: nn.Module) -> None:
-        self.model = model
+        self.engine, self.model = engine, model
         params = [p for p in model.parameters() if hasattr(p, "ds_id")]
         if params:
             import deepspeed
@@ -496,15 +495,24 @@ class _generating:
             self.gather = deepspeed.zero.GatheredParameters(params)
         else:
             self.gather = nullcontext()
+        self.hooks = bool(params) and getattr(engine, "optimizer", None) is not None
         self.uncounted = _uncounted()
 
     def __enter__(self) -> None:
         self.was_training = self.model.training
         self.gather.__enter__()
+        if self.hooks:
+            from trl.models.utils import remove_hooks
+
+            remove_hooks(self.engine)
         self.uncounted.__enter__()
         self.model.eval()
 
     def __exit__(self, *exc: Any) -> None:
         self.model.train(self.was_training)
         self.uncounted.__exit__(*exc)
+        if self.hooks:
+            from trl.models.utils import add_hooks
+
+            add_hooks(self.engine)
         self.gather.__exit__(*exc)

@@ -1,0 +1,52 @@
+"""GRPO's sampler (deepzero.generation): a rank's rows in one batched ``generate`` call, each row drawn from its own
+stream, so that a group's completions do not depend on the rows generated beside it (in process, tiny models)."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from transformers import AutoModelForCausalLM
+
+from deepzero.generation import GroupSeeds, HFGenerate, cut_at_eos
+from deepzero.presets import get_preset
+
+VOCAB = 300
+EOS = 2
+
+
+@pytest.fixture(scope="module")
+def model() -> torch.nn.Module:
+    torch.manual_seed(0)
+    return AutoModelForCausalLM.from_config(get_preset("tiny-deepseek-v3").config(vocab_size=VOCAB)).eval()
+
+
+def prompts(lengths: tuple[int, ...], seed: int = 1) -> list[torch.Tensor]:
+    gen = torch.Generator().manual_seed(seed)
+    return [torch.randint(3, VOCAB, (n,), generator=gen) for n in lengths]
+
+
+def test_a_groups_completions_do_not_depend_on_the_rows_beside_it(model: torch.nn.Module) -> None:
+    """Three prompts of different lengths, G 4: all 12 rows in one call, in chunks of 5 rows, and each group alone
+    give the same completions; the rows of a group differ from each other, and a greedy call is Transformers'."""
+    seeds, g = GroupSeeds(7), 4
+    batch = prompts((5, 11, 8))
+    rows = [p for p in batch for _ in range(g)]
+    row_seeds = [s for i in range(len(batch)) for s in seeds.rows(0, i, g)]
+    sampler = HFGenerate(12, (EOS,), 0)
+    together = sampler.sample(model, rows, row_seeds)
+    chunked = HFGenerate(12, (EOS,), 0, batch_rows=5).sample(model, rows, row_seeds)
+    alone = [c for i, p in enumerate(batch) for c in sampler.sample(model, [p] * g, seeds.rows(0, i, g))]
+    assert together == chunked == alone
+    assert all(len({tuple(c) for c in together[i * g : (i + 1) * g]}) > 1 for i in range(len(batch)))
+    assert together != sampler.sample(model, rows, [s + 1 for s in row_seeds])  # the seeds drive the draws
+    greedy = model.generate(batch[0].view(1, -1), max_new_tokens=12, do_sample=False, pad_token_id=0, eos_token_id=EOS)
+    assert sampler.sample(model, batch[:1], None)[0] == cut_at_eos(greedy[0, 5:].tolist(), (EOS,))
+
+
+def test_top_p_keeps_every_draw_in_the_nucleus(model: torch.nn.Module) -> None:
+    """With top-p 0.05 at temperature 0.5 each sampled token is one the warped distribution allows: here the most
+    likely one at every step (greedy), whatever the row's stream."""
+    batch = prompts((6, 9))
+    sampler = HFGenerate(8, (EOS,), 0, temperature=0.5, top_p=1e-6)
+    sampled = sampler.sample(model, batch, [11, 12])
+    assert sampled == sampler.sample(model, batch, None)
