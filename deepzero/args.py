@@ -216,6 +216,17 @@ class TrainArgs:
         default="group", **_help("GRPO: advantages divided by the group's reward std, the batch's, or not.")
     )
     num_iterations: int = field(default=1, **_help("GRPO: optimizer steps per generation batch (mu)."))
+    generation_batch_size: int | None = field(
+        default=None,
+        **_help(
+            "GRPO: completion rows per generate call (default: all of a rank's rows in one call, or the largest"
+            " chunk the planner fits beside training)."
+        ),
+    )
+    mask_truncated_completions: bool = field(
+        default=False,
+        **_help("GRPO: a completion cut by --max-completion-length takes no part in the loss (TRL's flag)."),
+    )
     local_rank: int = field(default=-1, **_help("Set by the deepspeed launcher."))
 
     @property
@@ -252,8 +263,8 @@ class TrainArgs:
             value = getattr(self, name)
             if value is not None and not (math.isfinite(value) and value >= (1e-9 if name == "peak_tflops" else 0)):
                 raise UserError(f"--{name.replace('_', '-')}", f"must be a positive number, got {value}", "pass e.g. 1")
-        for name in ("num_generations", "max_completion_length", "num_iterations"):  # GRPO's counts
-            if getattr(self, name) < 1:
+        for name in ("num_generations", "max_completion_length", "num_iterations", "generation_batch_size"):
+            if getattr(self, name) is not None and getattr(self, name) < 1:  # GRPO's counts
                 raise UserError(
                     f"--{name.replace('_', '-')}",
                     f"must be at least 1, got {getattr(self, name)}",

@@ -38,6 +38,8 @@ def plan(args: TrainArgs, meta: dict[str, Any], config: Any) -> tuple[GRPOSettin
         beta=beta,
         scale_rewards=args.scale_rewards,
         num_iterations=args.num_iterations,
+        mask_truncated_completions=args.mask_truncated_completions,
+        generation_batch_size=args.generation_batch_size,
         reference=("adapters-off" if lora else "frozen-copy") if beta else "none",
     )
     settings.check()

@@ -8,12 +8,15 @@ against the step; the first log window, which includes warm-up, is drawn hollow 
 For MoE runs (train records with ``expert_load``), two more panels: ``expert_load_imbalance`` (max/mean tokens per
 expert) against the step, and the last log window's tokens per expert relative to the layer's mean as a heatmap,
 one row per MoE layer (1 = balanced). For preference runs (train records with ``rewards/margins``), one more
-panel: the rewards of the chosen and rejected answers, their margin and the reward accuracy, train and val.
+panel: the rewards of the chosen and rejected answers, their margin and the reward accuracy, train and val. For
+GRPO runs (train records with ``timing/generation_s``), one more: each logged step's wall time split into
+generation, scoring, reference log-probs and training, stacked.
 """
 
 from __future__ import annotations
 
 import argparse
+import itertools
 import math
 import statistics
 import sys
@@ -54,7 +57,8 @@ def plot(metrics: str | Path, out: str | Path | None = None) -> Path:
     import matplotlib.pyplot as plt
 
     rewards = any(r.get("kind") == "train" and "rewards/margins" in r for r in records)
-    panels = 2 + 2 * bool(loads) + rewards
+    phases = [r for r in records if r.get("kind") == "train" and "timing/generation_s" in r]
+    panels = 2 + 2 * bool(loads) + rewards + bool(phases)
     fig, axes = plt.subplots(1, panels, figsize=(5.25 * panels, 4), constrained_layout=True, squeeze=False)
     axes = axes[0]
     ax_loss, ax_tps = axes[0], axes[1]
@@ -77,7 +81,9 @@ def plot(metrics: str | Path, out: str | Path | None = None) -> Path:
     if loads:
         _expert_panels(fig, axes[2], axes[3], loads, _series(records, "train", "expert_load_imbalance"))
     if rewards:
-        _reward_panel(axes[-1], records)
+        _reward_panel(axes[2 + 2 * bool(loads)], records)
+    if phases:
+        _phase_panel(axes[-1], phases)
     fig.suptitle(str(metrics.parent.name or metrics))
     out.parent.mkdir(parents=True, exist_ok=True)
     fig.savefig(out, dpi=100)
@@ -119,6 +125,24 @@ def _reward_panel(ax: Any, records: list[dict[str, Any]]) -> None:
     twin.set(ylabel="reward accuracy", ylim=(0, 1.05))
     handles = [h for a in (ax, twin) for h in a.get_legend_handles_labels()[0]]
     ax.legend(handles=handles, fontsize="small", loc="upper left")
+
+
+PHASES = ("generation", "scoring", "reference", "train")
+"""GRPO's step phases (``timing/<phase>_s``, deepzero.losses.grpo.PhaseTimer and the rest of the step)."""
+
+
+def _phase_panel(ax: Any, records: list[dict[str, Any]]) -> None:
+    """A GRPO run's mean seconds per step in each phase, per log window, stacked."""
+    steps = [r["step"] for r in records]
+    bottom = [0.0] * len(records)
+    width = 0.8 * min((b - a for a, b in itertools.pairwise(steps)), default=1)
+    for phase in PHASES:
+        values = [float(r.get(f"timing/{phase}_s", 0.0)) for r in records]
+        ax.bar(steps, values, width=width, bottom=bottom, label=phase)
+        bottom = [b + v for b, v in zip(bottom, values, strict=True)]
+    ax.set(xlabel="optimizer step", ylabel="seconds per step (mean of ranks)", title="GRPO step phases")
+    ax.grid(alpha=0.3, axis="y")
+    ax.legend(fontsize="small")
 
 
 def main(argv: list[str] | None = None) -> int:

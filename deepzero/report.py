@@ -63,6 +63,8 @@ def train_record(run: RunView, loss: float, steps: int, elapsed: float, peak_mem
     if (scale := engine.loss_scale()) is not None:
         record["loss_scale"] = scale
     record.update(engine.objective.window_stats("train"))  # a collective: every rank logs
+    if phases := [v for k, v in record.items() if k.startswith("timing/")]:  # GRPO: the rest of the step trains
+        record["timing/train_s"] = max(record["step_time_s"] - sum(phases), 0.0)
     if run.peak_tflops:
         record["mfu"] = run.flops_per_token * tokens_per_s / (run.peak_tflops * 1e12 * run.world)
     return record

@@ -294,6 +294,10 @@ def test_train_py_logs_trls_metrics_and_resumes_exactly_and_1x3_equals_3x1(rl_ru
                 want = pytest.approx(full[step][key], rel=tolerance[0], abs=tolerance[1])
                 assert runs[step][key] == want, (step, key)
     assert len({full[s]["reward"] for s in generated}) > 1  # completions differ between generations
+    for step, record in full.items():  # the step's wall time split into its phases, as verl and TRL log it
+        phases = [record[f"timing/{p}_s"] for p in ("generation", "scoring", "reference", "train")]
+        assert min(phases) >= 0 and sum(phases) == pytest.approx(record["step_time_s"], rel=1e-6), record
+        assert (record["timing/generation_s"] > 0) == ("generation/tokens_per_s" in record) == (step in generated)
     assert all(full[s]["grad_norm"] > 0 for s in full)  # every step learns something: the equalities mean much
 
 
@@ -375,3 +379,25 @@ def test_zero3_generation_gathers_every_parameter_once_and_fetches_nothing_per_t
     assert counts["gathered"] == counts["params"] > 0
     assert counts["generating"] == {}, counts
     assert counts["hooks_on"].get("fetch_sub_module", 0) > counts["params"], counts
+
+
+@pytest.mark.parametrize("mask", [False, True])
+def test_mask_truncated_completions_leaves_the_cut_rows_out_of_the_loss(mask: bool) -> None:
+    """``--mask-truncated-completions`` (TRL's semantics): a completion that ends without an end-of-sequence token
+    (cut by the length limit) has no target tokens, so it leaves the loss and dapo's token normaliser; its reward
+    still counts in its group's advantages. Without the flag every completion keeps its targets."""
+    from deepzero.losses.grpo import GRPO
+
+    completions = [[5, 6, 2], [5, 6, 7, 8], [9, 2], [4, 4, 4, 4]]  # EOS is 2; rows 1 and 3 are cut
+    sampler = SimpleNamespace(eos_ids=(2,), sample=lambda model, prompts, seeds: completions)
+    objective = GRPO(GRPOSettings(rewards=("x",), num_generations=2, max_completion_length=4), sampler=sampler)
+    objective.settings.mask_truncated_completions = mask
+    objective.data = SimpleNamespace(record=lambda i: {}, prompt_text=lambda i: "p")
+    objective.tokenizer = SimpleNamespace(batch_decode=lambda rows, skip_special_tokens: ["x"] * len(rows))
+    rewards = torch.tensor([1.0, 0.0, 0.0, 1.0])
+    objective.rewards = SimpleNamespace(names=(), score=lambda *a: (rewards, {}))
+    prompts = {"prompt_ids": torch.tensor([[3, 4], [3, 5]]), "prompt_mask": torch.ones(2, 2), "index": torch.arange(2)}
+    (batch,) = objective.generate_and_score(tiny_qwen(), prompts, accum=1)
+    targets = (batch["labels"] != -100).sum(1).tolist()
+    assert targets == ([3, 0, 2, 0] if mask else [3, 4, 2, 4])
+    assert batch["advantages"].tolist() == pytest.approx(advantages(rewards, 2, "group").tolist())

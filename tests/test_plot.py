@@ -92,3 +92,17 @@ def test_preference_runs_get_a_rewards_panel(tmp_path: Path) -> None:
     pref.write_text("".join(json.dumps(r) + "\n" for r in lines))
     out = plot(pref, tmp_path / "pref.png")
     assert png_size(out)[0] > png_size(plain)[0] * 1.3
+
+
+def test_grpo_runs_get_a_panel_of_the_steps_phases(tmp_path: Path) -> None:
+    """Train records with ``timing/<phase>_s`` (GRPO) add a panel of stacked phase times: a wider PNG."""
+    plain = plot(fake_metrics(tmp_path / "plain.jsonl"), tmp_path / "plain.png")
+    grpo = fake_metrics(tmp_path / "grpo.jsonl")
+    lines = [json.loads(line) for line in grpo.read_text().splitlines()]
+    for record in lines:
+        if record["kind"] == "train":
+            record |= {"timing/generation_s": 0.6, "timing/scoring_s": 0.05, "timing/reference_s": 0.1}
+            record["timing/train_s"] = 0.25
+    grpo.write_text("".join(json.dumps(r) + "\n" for r in lines))
+    out = plot(grpo, tmp_path / "grpo.png")
+    assert png_size(out)[0] > png_size(plain)[0] * 1.3

@@ -18,7 +18,9 @@ from __future__ import annotations
 import copy
 import json
 import math
-from contextlib import nullcontext
+import time
+from collections.abc import Iterator
+from contextlib import contextmanager, nullcontext
 from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any
@@ -60,6 +62,10 @@ class GRPOSettings:
     num_iterations: int = 1
     reference: str = "none"
     """β > 0: "adapters-off" (LoRA) or "frozen-copy" (full fine-tuning); none for β = 0."""
+    mask_truncated_completions: bool = False
+    """A completion that reached ``max_completion_length`` without an end-of-sequence token has no loss tokens."""
+    generation_batch_size: int | None = None
+    """Rows per generate call (None: all of a rank's rows at once)."""
 
     @property
     def clip_high(self) -> float:
@@ -201,6 +207,7 @@ class GRPO:
         self._loss_stats: dict[str, list[torch.Tensor]] = {"train": [], "eval": []}
         self._rollout_stats: dict[str, list[torch.Tensor]] = {"train": [], "eval": []}
         self._samples: list[dict[str, Any]] = []
+        self.timer = PhaseTimer()
 
     # -- set-up -------------------------------------------------------------------------------------------------
     def attach(self, data: Any, tokenizer: Any, rewards: Any, out_dir: Path | None, model: nn.Module) -> None:
@@ -211,7 +218,9 @@ class GRPO:
         eos = tokenizer.eos_token_id
         self.pad_id = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else eos
         if self.sampler is None:
-            self.sampler = HFGenerate(s.max_completion_length, (eos,), self.pad_id, s.temperature, s.top_p)
+            self.sampler = HFGenerate(
+                s.max_completion_length, (eos,), self.pad_id, s.temperature, s.top_p, s.generation_batch_size
+            )
         if s.reference == "frozen-copy":
             self.reference_model = copy.deepcopy(model).eval().requires_grad_(False)
 
@@ -244,6 +253,7 @@ class GRPO:
     # -- the step -----------------------------------------------------------------------------------------------
     def rollout(self, engine: Any, batches: Any, accum: int) -> list[Batch]:
         """The step's completion micro-batches: a new generation every ``num_iterations`` steps, else the last."""
+        self.timer.steps += 1
         if self._buffer is None or self._uses >= self.settings.num_iterations:
             prompts = next(batches)
             self._buffer = self.generate_and_score(engine, prompts, accum)
@@ -259,12 +269,14 @@ class GRPO:
         generation = self.seeds.generations
         rows_prompts = [p for p in ids for _ in range(g)]
         seeds = [seed for i in index for seed in self.seeds.rows(generation, i, g)]
-        with _generating(engine, model):
+        with self.timer.phase("generation"), _generating(engine, model):
             completions = self.sampler.sample(model, rows_prompts, seeds)
+        self.timer.tokens += sum(map(len, completions))
         self.seeds.generations += 1
         records = [self.data.record(i) for i in index for _ in range(g)]
         texts = [self.data.prompt_text(i) for i in index for _ in range(g)]
-        total, per_name = self.score(texts, completions, records, [i for i in index for _ in range(g)])
+        with self.timer.phase("scoring"):
+            total, per_name = self.score(texts, completions, records, [i for i in index for _ in range(g)])
         device = prompts["prompt_ids"].device
         total, per_name = total.to(device), {k: v.to(device) for k, v in per_name.items()}
         batch_std = self._global_std(total) if s.scale_rewards == "batch" else None
@@ -279,15 +291,22 @@ class GRPO:
         for k in range(accum):
             part = slice(k * size, (k + 1) * size)
             batch = completion_rows(rows_prompts[part], completions[part], self.pad_id, device)
+            if s.mask_truncated_completions:  # TRL's: the truncated rows' tokens leave the loss and its normaliser
+                cut = torch.tensor([self.truncated(c) for c in completions[part]], device=device)
+                batch["labels"] = batch["labels"].masked_fill(cut[:, None], IGNORE_INDEX)
             batch["advantages"] = adv[part].float()
             micro.append(batch)
-        with torch.no_grad(), _uncounted():
+        with self.timer.phase("reference"), torch.no_grad(), _uncounted():
             for batch in micro:
                 if s.num_iterations > 1:
                     batch["old_logps"] = token_logps(engine, batch, s.temperature)[0]
                 if s.beta != 0.0:
                     batch["ref_logps"] = self.reference_logps(engine, batch)
         return micro
+
+    def truncated(self, completion: list[int]) -> bool:
+        """Cut by the length limit: no end-of-sequence token at its end."""
+        return not completion or completion[-1] not in self.sampler.eos_ids
 
     def reference_logps(self, engine: Any, batch: Batch) -> torch.Tensor:
         """log π_ref per token: the frozen copy of the starting weights, or the model with its adapters off."""
@@ -360,9 +379,8 @@ class GRPO:
 
     # -- metrics ------------------------------------------------------------------------------------------------
     def _note_rollout(self, mode: str, total: torch.Tensor, per_name: dict, completions: list[list[int]], g: int):
-        eos = self.sampler.eos_ids if hasattr(self.sampler, "eos_ids") else ()
         lengths = torch.tensor([float(len(c)) for c in completions], device=total.device)
-        truncated = torch.tensor([float(not c or c[-1] not in eos) for c in completions], device=total.device)
+        truncated = torch.tensor([float(self.truncated(c)) for c in completions], device=total.device)
         ok = ~torch.isnan(total)
         zero_std = torch.zeros((), device=total.device)
         if g > 1:
@@ -425,6 +443,8 @@ class GRPO:
             out["clip_ratio/low_mean"], out["clip_ratio/high_mean"], out["clip_ratio/region_mean"] = mean[1:4]
             if self.settings.beta != 0.0:
                 out["kl"] = mean[4]
+        if mode == "train":
+            out.update(self.timer.window())
         if mode == "train" and rollouts:
             self._write_samples()
         return out
@@ -478,6 +498,46 @@ def _uncounted() -> Any:
     from deepzero.moe_balance import uncounted
 
     return uncounted()
+
+
+class PhaseTimer:
+    """Wall time of a step's GRPO phases on this rank (generation, scoring, reference: the old and reference
+    log-probs), the device synchronised at each phase's end, and the completion tokens generated; ``window`` gives
+    each phase's mean seconds per step since the last call, averaged over ranks (a collective), as verl and TRL log
+    them, and the generation's tokens per second."""
+
+    PHASES = ("generation", "scoring", "reference")
+
+    def __init__(self) -> None:
+        self.seconds = dict.fromkeys(self.PHASES, 0.0)
+        self.tokens = 0
+        self.steps = 0
+
+    @contextmanager
+    def phase(self, name: str) -> Iterator[None]:
+        from deepspeed.accelerator import get_accelerator
+
+        start = time.perf_counter()
+        try:
+            yield
+        finally:
+            get_accelerator().synchronize()
+            self.seconds[name] += time.perf_counter() - start
+
+    def window(self) -> dict[str, float]:
+        from deepspeed.accelerator import get_accelerator
+
+        steps, generated = max(self.steps, 1), self.seconds["generation"] > 0
+        rate = self.tokens / self.seconds["generation"] if generated else 0.0
+        values = [*(self.seconds[p] / steps for p in self.PHASES), rate]
+        total = torch.tensor(values, dtype=torch.float64, device=get_accelerator().current_device_name())
+        if dist.is_initialized():
+            dist.all_reduce(total)
+            total /= dist.get_world_size()
+        self.__init__()
+        *phases, rate = total.tolist()
+        out = {f"timing/{p}_s": v for p, v in zip(self.PHASES, phases, strict=True)}
+        return out | ({"generation/tokens_per_s": rate} if generated else {})
 
 
 class _generating:
