@@ -93,6 +93,22 @@ def check_batch(grpo: GRPOSettings | None, batch: BatchMath) -> None:
         )
 
 
+def plan_generation_batch(
+    grpo: GRPOSettings | None, args: TrainArgs, meta: dict[str, Any], config: Any, settings: Any, cfg: Any, **fit: Any
+) -> None:
+    """Without ``--generation-batch-size``: the planner's rows per ``generate`` call on the detected cards, when
+    fewer than all of a rank's rows fit beside training (``plan.generation_batch``; none on the CPU)."""
+    if grpo is None or grpo.generation_batch_size is not None:
+        return
+    from deepzero.plan import GrpoTerms, generation_batch
+
+    terms = GrpoTerms(grpo.num_generations, int(meta.get("max_prompt_len", 0)) or 1, grpo.reference == "frozen-copy")
+    most = cfg.batch.micro * cfg.batch.accum
+    rows = generation_batch(config, settings, cfg, terms, grpo.max_completion_length, most=most, **fit)
+    if rows is not None and rows < most:
+        grpo.generation_batch_size = rows
+
+
 def attach(engine: Any, plan: Any, out_dir: Path) -> None:
     """Give the GRPO objective its prompts (train and held-out), tokenizer, rewards and run folder; a ZeRO-3 full
     fine-tuning run with beta > 0 (a frozen copy of partitioned weights) is refused."""

@@ -191,6 +191,9 @@ def plan_run(args: TrainArgs, world: int) -> RunPlan:
         rows_per_sample=train_data.rows_per_sample,
     ):
         warn(warning)
+    grpo_plan.plan_generation_batch(
+        grpo, args, meta, config, settings, cfg, world_size=world, pretrained=not source.random_init, savers=terms
+    )
     return RunPlan(
         source,
         config,

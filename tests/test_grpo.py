@@ -401,3 +401,23 @@ def test_mask_truncated_completions_leaves_the_cut_rows_out_of_the_loss(mask: bo
     targets = (batch["labels"] != -100).sum(1).tolist()
     assert targets == ([3, 0, 2, 0] if mask else [3, 4, 2, 4])
     assert batch["advantages"].tolist() == pytest.approx(advantages(rewards, 2, "group").tolist())
+
+
+def test_train_py_takes_the_planners_generation_batch_on_a_card_and_the_flag_over_it(
+    rl: dict, tmp_path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Planning a GRPO run (in process): on the CPU every row of a rank goes in one generate call; with a card
+    detected, the planner's most rows that fit (``plan.generation_rows``, tested in test_plan) where fewer than a
+    rank's 16; ``--generation-batch-size`` wins over both. The header says which."""
+    from deepzero.args import parse_args
+    from deepzero.plan import fit
+    from deepzero.run import plan_run
+
+    args = grpo_args(rl, tmp_path / "run", "share", 4)  # micro 4 × accumulation 4: 16 rows per rank
+    assert plan_run(parse_args(args), 3).grpo.generation_batch_size is None
+    monkeypatch.setattr(fit, "detected_gpu_mem_gb", lambda: 24.0)
+    monkeypatch.setattr(fit, "generation_rows", lambda stats, setup, gpu, cpu, most: min(most, 5))
+    planned = plan_run(parse_args(args), 3).grpo
+    assert planned.generation_batch_size == 5
+    assert "5 rows per generate call" in GRPO(planned).describe()
+    assert plan_run(parse_args([*args, "--generation-batch-size", "3"]), 3).grpo.generation_batch_size == 3

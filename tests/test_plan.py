@@ -233,11 +233,31 @@ def test_grpo_adds_generation_to_the_peak_and_answers_the_issues_models() -> Non
         assert all(ckpt[p, True] >= ckpt[p, False] for p, _ in ckpt)
 
 
+def test_grpo_plans_the_rows_generated_together_and_the_most_that_fit() -> None:
+    """The KV cache and the prefill grow with the rows one generate call takes (a rank's rows, not one group);
+    ``generation_rows`` is the most rows that fit beside training: one more does not."""
+    stats = model_stats(PRESETS["deepseek-r1-distill-qwen-1.5b"].config(), "1.5b")
+    one_group = Setup(stage=2, world_size=N, seq_len=512 + 1024, lora_rank=16, grpo=plan.GrpoTerms(8, 512))
+    batched = replace(one_group, grpo=replace(one_group.grpo, rows=32))
+    assert plan.kv_cache_bytes(stats, batched) == 4 * plan.kv_cache_bytes(stats, one_group)
+    assert estimate(stats, batched).generation > estimate(stats, one_group).generation
+    gpu, cpu = 24 * GiB, 128 * GiB
+    rows = plan.generation_rows(stats, one_group, gpu, cpu, 10_000)
+    assert 8 < rows < 10_000
+
+    def fits(n: int) -> bool:
+        return estimate(stats, replace(one_group, grpo=replace(one_group.grpo, rows=n))).fits(gpu, cpu)
+
+    assert fits(rows) and not fits(rows + 1)
+    assert plan.generation_rows(stats, one_group, gpu, cpu, 16) == 16  # a rank's rows, when they all fit
+
+
 def test_cli_grpo_prints_the_longest_completions(capsys: pytest.CaptureFixture[str]) -> None:
     argv = ["--model", "deepseek-r1-distill-qwen-1.5b", "--grpo", "--num-generations", "4", "--prompt-len", "256"]
     assert plan.main(argv) == 0
     out = capsys.readouterr().out
-    assert "4 completions per prompt generated together, prompts of 256 tokens" in out
+    assert "4 completion rows generated together (G 4), prompts of 256 tokens" in out
+    assert "LoRA rows per call at 1,024" in out
     assert "zero3_offload" in out and "LoRA r16 (KV cache, GPU GiB)" in out and "KV " in out
     assert "QLoRA r16 (KV cache, GPU GiB)" in out
     assert plan.main([*argv[:3], "--num-generations", "0"]) == 2

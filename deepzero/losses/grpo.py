@@ -463,11 +463,13 @@ class GRPO:
             "adapters-off": "reference = adapters off",
             "frozen-copy": "reference = a frozen copy",
         }
+        rows = "a rank's rows" if s.generation_batch_size is None else f"{s.generation_batch_size} rows"
+        masked = ", truncated completions masked" if s.mask_truncated_completions else ""
         return (
             f"loss: GRPO {s.loss_type} (G {s.num_generations}, epsilon {s.epsilon:g}/{s.clip_high:g}, beta {s.beta:g},"
             f" {ref[s.reference]}, scale rewards {s.scale_rewards}, {s.num_iterations} iteration(s) per generation);"
-            f" sampling T {s.temperature:g} top-p {s.top_p:g}, up to {s.max_completion_length} tokens;"
-            f" rewards {', '.join(s.rewards)}"
+            f" sampling T {s.temperature:g} top-p {s.top_p:g}, up to {s.max_completion_length} tokens,"
+            f" {rows} per generate call{masked}; rewards {', '.join(s.rewards)}"
         )
 
     def to_json(self) -> dict[str, Any]:

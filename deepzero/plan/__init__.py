@@ -74,6 +74,7 @@ _EXPORTS: dict[str, tuple[str, ...]] = {
         "longest_completion",
         "longest_completions",
         "longest_sequences",
+        "generation_rows",
         "max_micro_batch",
         "recommend",
     ),
@@ -87,7 +88,7 @@ _EXPORTS: dict[str, tuple[str, ...]] = {
         "render_longest",
         "table_setups",
     ),
-    "fit": ("check_fit", "detected_cpu_mem_gb", "detected_gpu_mem_gb", "run_estimate"),
+    "fit": ("check_fit", "detected_cpu_mem_gb", "detected_gpu_mem_gb", "generation_batch", "run_estimate"),
     "cli": ("PAIR_ROWS", "main"),
 }
 _HOME = {name: module for module, names in _EXPORTS.items() for name in names}

@@ -58,6 +58,18 @@ def main(argv: Sequence[str] | None = None) -> int:
     )
     parser.add_argument("--num-generations", type=int, default=8, help="--grpo: completions per prompt (G)")
     parser.add_argument("--prompt-len", type=int, default=512, help="--grpo: the longest prompt, in tokens")
+    parser.add_argument(
+        "--generation-batch-size",
+        type=int,
+        default=None,
+        help="--grpo: completion rows generated together in the longest-completion search (default: one group, G)",
+    )
+    parser.add_argument(
+        "--completion-len",
+        type=int,
+        default=1024,
+        help="--grpo: the completion length at which to plan the most rows one generate call takes (default 1024)",
+    )
     args = parser.parse_args(argv)
     if args.preference and args.max_seq_len:
         print(
@@ -68,6 +80,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         return 2
     counts = [("--gpus", args.gpus), ("--seq-len", args.seq_len), ("--micro-batch", args.micro_batch)]
     counts += [("--num-generations", args.num_generations), ("--prompt-len", args.prompt_len)]
+    counts += [("--generation-batch-size", args.generation_batch_size or 1), ("--completion-len", args.completion_len)]
     for flag, value in counts:
         if value < 1:
             print(f"error: {flag} {value}: must be at least 1. Fix: pass a positive number", file=sys.stderr)
@@ -86,8 +99,9 @@ def main(argv: Sequence[str] | None = None) -> int:
         return 2
     pretrained = not (args.model in PRESETS and PRESETS[args.model].hub_id is None)
     if args.grpo:
-        grpo = GrpoTerms(args.num_generations, args.prompt_len)
-        print(render_grpo(stats, args.gpus, args.gpu_mem, args.cpu_mem, grpo, args.lora_rank))
+        grpo = GrpoTerms(args.num_generations, args.prompt_len, rows=args.generation_batch_size)
+        kw = {"completion": args.completion_len}
+        print(render_grpo(stats, args.gpus, args.gpu_mem, args.cpu_mem, grpo, args.lora_rank, **kw))
         return 0
     if args.max_seq_len:
         kw = {"pretrained": pretrained, "tiled_loss": args.tiled_loss == "on"}

@@ -13,8 +13,8 @@ from transformers import PretrainedConfig
 from deepzero.errors import UserError
 from deepzero.plan.arch import ModelStats, model_stats
 from deepzero.plan.memory import Estimate, GiB, estimate, gib
-from deepzero.plan.search import max_micro_batch, recommend
-from deepzero.plan.setup import LayerSplitLayout, PipelineLayout, SaverTerms, Setup, run_setup
+from deepzero.plan.search import generation_rows, max_micro_batch, recommend
+from deepzero.plan.setup import GrpoTerms, LayerSplitLayout, PipelineLayout, SaverTerms, Setup, run_setup
 
 if TYPE_CHECKING:
     from deepzero.dsconfig import ResolvedConfig
@@ -96,6 +96,39 @@ def run_estimate(
     name = getattr(model_config, "name_or_path", "") or "model"
     stats = model_stats(model_config, name, lora=getattr(engine, "lora", None))
     return stats, estimate(stats, setup)
+
+
+def generation_batch(
+    model_config: PretrainedConfig,
+    engine: EngineSettings,
+    cfg: ResolvedConfig,
+    grpo: GrpoTerms,
+    completion: int,
+    *,
+    world_size: int,
+    pretrained: bool,
+    most: int,
+    savers: SaverTerms | None = None,
+    gpu_mem_gb: float | None = None,
+    cpu_mem_gb: float | None = None,
+) -> int | None:
+    """GRPO: the most of a rank's ``most`` completion rows one ``generate`` call can take beside training, with
+    prompts of ``grpo.prompt_len`` and ``completion`` tokens (``generation_rows``); None without CUDA (nothing to
+    fit: every row in one call) or where the model cannot be planned."""
+    if gpu_mem_gb is None:
+        gpu_mem_gb = detected_gpu_mem_gb()
+        if gpu_mem_gb is None:
+            return None
+    if cpu_mem_gb is None:
+        cpu_mem_gb = detected_cpu_mem_gb()
+    seq_len = grpo.prompt_len + completion
+    try:
+        setup = run_setup(model_config, engine, cfg, seq_len, world_size, pretrained, savers)
+        stats = model_stats(model_config, "model", lora=getattr(engine, "lora", None))
+    except (UserError, ValueError, KeyError, AttributeError):
+        return None
+    cpu_mem = cpu_mem_gb * GiB if cpu_mem_gb else None
+    return generation_rows(stats, replace(setup, grpo=grpo), gpu_mem_gb * GiB, cpu_mem, most)
 
 
 def _micro_text(sequences: int, rows_per_sample: int) -> str:

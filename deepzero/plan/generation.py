@@ -1,6 +1,7 @@
-"""GRPO's generation on the card (``--grpo``): while a rank samples one prompt's ``G`` completions with
-Transformers' ``generate``, it holds the model states, the group's KV cache, one layer's working set and, under
-ZeRO-3, the whole gathered model (``deepzero.generation``, as TRL's ``ds3_gather_for_generation``)."""
+"""GRPO's generation on the card (``--grpo``): while a rank samples its completion rows with Transformers'
+``generate`` (all of them in one call, or ``--generation-batch-size`` at a time), it holds the model states, the
+rows' KV cache, one layer's working set and, under ZeRO-3, the whole gathered model (``deepzero.generation``, as
+TRL's ``ds3_gather_for_generation``)."""
 
 from __future__ import annotations
 
@@ -19,20 +20,21 @@ def kv_cache_width(stats: ModelStats) -> int:
 
 
 def kv_cache_bytes(stats: ModelStats, setup: Setup) -> int:
-    """The group's KV cache at its longest: ``G`` rows of prompt + completion tokens, every layer, training dtype."""
+    """The KV cache of the rows generated together at its longest: prompt + completion tokens, every layer, in the
+    training dtype."""
     assert setup.grpo is not None
-    rows, tokens = setup.grpo.generations, setup.seq_len
+    rows, tokens = setup.grpo.batch_rows, setup.seq_len
     return rows * tokens * stats.arch.layers * kv_cache_width(stats) * setup.bytes_per_value
 
 
 def generation_bytes(stats: ModelStats, setup: Setup) -> int:
-    """What generating one group adds to the model states on the card (0 without GRPO): the KV cache; the prefill's
-    largest transient, one layer's MLP over the ``G`` prompts (input, gate, up, activation); the last position's
+    """What generating adds to the model states on the card (0 without GRPO): the rows' KV cache; the prefill's
+    largest transient, one layer's MLP over the rows' prompts (input, gate, up, activation); the last position's
     logits in the training dtype plus fp32 log-softmax and sampling probabilities; under ZeRO-3 the whole model,
     gathered for the generation (the rank's own shards stay counted in the states)."""
     if setup.grpo is None:
         return 0
-    a, p, rows = stats.arch, setup.bytes_per_value, setup.grpo.generations
+    a, p, rows = stats.arch, setup.bytes_per_value, setup.grpo.batch_rows
     width = max(a.intermediate, a.experts_per_token * a.moe_intermediate + a.shared_intermediate)
     prefill = rows * setup.grpo.prompt_len * (2 * a.hidden + 3 * width) * p
     logits = rows * a.vocab * (p + 4 + 4)

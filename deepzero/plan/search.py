@@ -226,3 +226,19 @@ def longest_completions(
             setup = replace(setup, seq_len=grpo.prompt_len + max(n, COMPLETION_STEP))
             out.append(LongestSeq(n, name, setup, estimate(stats, setup)))
     return out
+
+
+def generation_rows(stats: ModelStats, setup: Setup, gpu_mem: float, cpu_mem: float | None, most: int) -> int:
+    """The most completion rows, at most ``most`` (a rank's rows per generation), that GRPO's ``setup`` can
+    generate in one ``generate`` call and still fit the cards (1 where even one row does not: the run's own fit
+    check says so). What generation holds grows with the rows, so the answer is a bisection."""
+    assert setup.grpo is not None
+
+    def fits(rows: int) -> bool:
+        return estimate(stats, replace(setup, grpo=replace(setup.grpo, rows=rows))).fits(gpu_mem, cpu_mem)
+
+    low, high = 1, most
+    while low < high:
+        mid = (low + high + 1) // 2
+        low, high = (mid, high) if fits(mid) else (low, mid - 1)
+    return low

@@ -109,15 +109,22 @@ class SaverTerms:
 
 @dataclass(frozen=True)
 class GrpoTerms:
-    """GRPO (``--grpo``): each rank generates one prompt's ``generations`` completions together, then trains on
-    rows of prompt + completion (``Setup.seq_len``; ``micro_batch`` counts completions, as TRL's batch does)."""
+    """GRPO (``--grpo``): each rank generates ``rows`` completions together (one prompt's ``generations`` unless
+    set), then trains on rows of prompt + completion (``Setup.seq_len``; ``micro_batch`` counts completions, as
+    TRL's batch does)."""
 
     generations: int = 8
-    """G, ``--num-generations``: completions of one prompt, generated as one batch."""
+    """G, ``--num-generations``: completions of one prompt."""
     prompt_len: int = 512
     """Longest prompt; the completion is ``seq_len - prompt_len``."""
     reference_copy: bool = False
     """β > 0 without LoRA: a frozen copy of the starting weights on every rank."""
+    rows: int | None = None
+    """Completion rows per ``generate`` call (``--generation-batch-size``); None: one group (``generations``)."""
+
+    @property
+    def batch_rows(self) -> int:
+        return self.rows or self.generations
 
 
 @dataclass(frozen=True)

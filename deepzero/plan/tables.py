@@ -16,6 +16,7 @@ from deepzero.plan.search import (
     SEQ_STEP,
     LongestSeq,
     Recommendation,
+    generation_rows,
     longest_completions,
     longest_sequence,
     longest_sequences,
@@ -269,19 +270,31 @@ def fit_table(world_size: int, gpu_mem_gb: float, cpu_mem_gb: float, seq_len: in
     return "\n".join(rows)
 
 
+MAX_GENERATION_ROWS = 512
+"""The most completion rows per generate call the GRPO table plans (8 prompts × G 64)."""
+
+
 def render_grpo(
-    stats: ModelStats, world_size: int, gpu_mem_gb: float, cpu_mem_gb: float, grpo: GrpoTerms, lora_rank: int
+    stats: ModelStats,
+    world_size: int,
+    gpu_mem_gb: float,
+    cpu_mem_gb: float,
+    grpo: GrpoTerms,
+    lora_rank: int,
+    completion: int = 1024,
 ) -> str:
     """``--grpo``: the longest completion GRPO generates and trains per preset, full and LoRA, and at that length
-    the group's KV cache and the card's peak."""
+    the KV cache of the rows generated together and the card's peak; and per preset the most rows one generate
+    call takes beside LoRA training at ``completion`` tokens (the generation batch train.py would use)."""
     gpu_mem, cpu_mem = gpu_mem_gb * GiB, cpu_mem_gb * GiB
     full = longest_completions(stats, world_size, gpu_mem, cpu_mem, grpo)
     lora = longest_completions(stats, world_size, gpu_mem, cpu_mem, grpo, lora_rank)
     qlora = longest_completions(stats, world_size, gpu_mem, cpu_mem, grpo, lora_rank, four_bit=True)
     lines = [
         f"{stats.name}: GRPO's longest completion on {world_size} × {gpu_mem_gb:g} GiB, host {cpu_mem_gb:g} GiB: "
-        f"{grpo.generations} completions per prompt generated together, prompts of {grpo.prompt_len} tokens, "
-        f"micro-batch 1 (multiples of {COMPLETION_STEP} tokens; model context {stats.arch.max_positions:,})",
+        f"{grpo.batch_rows} completion rows generated together (G {grpo.generations}), prompts of"
+        f" {grpo.prompt_len} tokens, micro-batch 1 (multiples of {COMPLETION_STEP} tokens; model context"
+        f" {stats.arch.max_positions:,})",
         "",
     ]
 
@@ -290,8 +303,14 @@ def render_grpo(
             return "-"
         return f"{r.seq_len:,} (KV {gib(kv_cache_bytes(stats, r.setup))}, GPU {gib(r.estimate.gpu_total)})"
 
+    def batch(r: LongestSeq) -> str:
+        setup = replace(r.setup, seq_len=grpo.prompt_len + completion, grpo=replace(grpo, rows=1))
+        if not estimate(stats, setup).fits(gpu_mem, cpu_mem):  # not even one row
+            return "-"
+        return f"{generation_rows(stats, setup, gpu_mem, cpu_mem, MAX_GENERATION_ROWS):,}"
+
     rows = [
-        [f.preset, "on" if f.setup.checkpointing else "off", cell(f), cell(q), cell(four)]
+        [f.preset, "on" if f.setup.checkpointing else "off", cell(f), cell(q), cell(four), batch(q)]
         for f, q, four in zip(full, lora, qlora, strict=True)
     ]
     headers = [
@@ -300,13 +319,16 @@ def render_grpo(
         "full (KV cache, GPU GiB)",
         f"LoRA r{lora_rank} (KV cache, GPU GiB)",
         f"QLoRA r{lora_rank} (KV cache, GPU GiB)",
+        f"LoRA rows per call at {completion:,}",
     ]
-    lines += [format_table(headers, rows, [False, False, True, True, True]), ""]
+    lines += [format_table(headers, rows, [False, False, True, True, True, True]), ""]
     lines.append(
-        "Each rank holds its states, and while it generates: the group's KV cache (G × (prompt + completion) tokens,"
-        " every layer), the prefill's largest layer, and under ZeRO-3 the whole model gathered for generation (as"
-        " TRL's ds3_gather_for_generation). A frozen reference copy (beta > 0 without LoRA) would add the weights"
-        " once more; this table plans beta 0, TRL's default. QLoRA: the base in 4 bits, its parameter-offload"
-        " presets refused (-)."
+        "Each rank holds its states, and while it generates: the KV cache of the rows generated together"
+        " (rows × (prompt + completion) tokens, every layer), the prefill's largest layer, and under ZeRO-3 the whole"
+        " model gathered for generation (as TRL's ds3_gather_for_generation). A frozen reference copy (beta > 0"
+        " without LoRA) would add the weights once more; this table plans beta 0, TRL's default. QLoRA: the base in"
+        " 4 bits, its parameter-offload presets refused (-). Rows per call: the most completion rows (at most"
+        f" {MAX_GENERATION_ROWS}) one generate call takes beside LoRA training at {completion:,}-token completions;"
+        " train.py uses all of a rank's rows, or that many where they do not fit (--generation-batch-size sets it)."
     )
     return "\n".join(lines)
