@@ -7,6 +7,7 @@
 #   4. the MoE experts implementations (eager / grouped_mm; batched_mm is skipped at training sizes),
 #   5. the longest sequence R1-Distill-Qwen-1.5B's architecture trains at on the card capped at 24 GiB (bench.long_context),
 #   6. train.py itself: chat SFT, QLoRA under ZeRO-3 and GRPO on that architecture (bench.gpu_train), peak vs planned,
+#   7. GRPO's generation backends (bench.grpo_rollout --gpu-preset),
 # then merges everything into RESULTS_DIR/gpu.json and RESULTS_DIR/gpu.md.
 #
 #   bench/gpu.sh [RESULTS_DIR]          # default bench/results; per-step parts go to RESULTS_DIR/gpu/
@@ -47,5 +48,8 @@ step 60 bench.experts_impl --sizes v2-lite-2l --seq-len 2048 --micro-batch 2 --i
 # 6. train.py itself, a few steps per job, each with its own limit inside (100 + 120 + 100 s) after the base and data
 #    (written to the part after each job, so a kill keeps what finished).
 step 480 bench.gpu_train --out "$PARTS"
+# 7. GRPO's rollout: one call per group, one batched call (Transformers' sampling and train.py's rows' own streams),
+#    continuous batching; R1-Distill-Qwen-1.5B's architecture at random init, 8 prompts × G 4, 256 new tokens.
+step 120 bench.grpo_rollout --gpu-preset deepseek-r1-distill-qwen-1.5b --repeats 2 --results "$PARTS"
 "$PY" -m bench.gpu_bench report --out "$PARTS" --results "$RESULTS"
 echo "bench/gpu.sh: done in $((SECONDS - start)) s; results in $RESULTS/gpu.md"

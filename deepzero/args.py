@@ -223,6 +223,13 @@ class TrainArgs:
             " chunk the planner fits beside training)."
         ),
     )
+    generation_backend: Literal["generate", "continuous"] = field(
+        default="generate",
+        **_help(
+            "GRPO: Transformers' generate (a rank's rows batched, each row its own random stream) or its continuous"
+            " batching (generate_batch: rows leave as they finish; docs/grpo.md)."
+        ),
+    )
     mask_truncated_completions: bool = field(
         default=False,
         **_help("GRPO: a completion cut by --max-completion-length takes no part in the loss (TRL's flag)."),

@@ -8,7 +8,12 @@ in any world size, in any batch, and after a resume (the checkpoint records the 
 Transformers' own sampling draws every row from one stream (``torch.multinomial`` on the batch), so a row's tokens
 would change with the batch around it; here ``RowStreams`` samples instead, by inverse CDF on each row's own
 uniforms, after Transformers' own warpers (temperature, top-p, top-k, min-p), and ``generate`` runs greedy over
-the one token it leaves. A faster backend (vLLM, continuous batching) plugs in as another sampler.
+the one token it leaves.
+
+``--generation-backend continuous`` is Transformers' continuous batching (``generate_batch``, a paged KV cache
+whose rows leave as they finish and new ones take their place: ``ContinuousBatching``). It samples with
+Transformers' own RNG, seeded once per call from the rows' seeds, so its completions are reproducible for the
+same rows and world size but not independent of the batch. Another backend (vLLM) plugs in as a sampler.
 """
 
 from __future__ import annotations
@@ -18,6 +23,8 @@ from dataclasses import dataclass
 from typing import Any, Protocol
 
 import torch
+
+from deepzero.errors import UserError, first_line
 
 
 @dataclass
@@ -129,6 +136,53 @@ class HFGenerate:
             kwargs["logits_processor"] = LogitsProcessorList([streams])
         out = model.generate(inputs, **kwargs)
         return [cut_at_eos(row[inputs.shape[1] :].tolist(), self.eos_ids) for row in out]
+
+
+@dataclass
+class ContinuousBatching:
+    """Transformers' continuous batching (``model.generate_batch``): every row a request, scheduled over a paged
+    KV cache, so a short completion frees its slot for the next instead of waiting for the longest row. Sampling
+    with ``temperature`` / ``top_p`` from Transformers' RNG, seeded from the rows' seeds (one stream per call)."""
+
+    max_new_tokens: int
+    eos_ids: tuple[int, ...]
+    pad_id: int
+    temperature: float = 1.0
+    top_p: float = 1.0
+    batch_rows: int | None = None
+    """Unused: the scheduler sizes its own batches from the paged cache."""
+
+    def sample(self, model: Any, prompts: list[torch.Tensor], seeds: list[int] | None) -> list[list[int]]:
+        from transformers import GenerationConfig
+
+        sampled = seeds is not None
+        config = GenerationConfig(
+            max_new_tokens=self.max_new_tokens,
+            do_sample=sampled,
+            temperature=self.temperature if sampled else None,
+            top_p=self.top_p if sampled else None,
+            top_k=0 if sampled else None,
+            eos_token_id=list(self.eos_ids),
+            pad_token_id=self.pad_id,
+        )
+        devices = [prompts[0].device] if prompts and prompts[0].device.type == "cuda" else []
+        with torch.random.fork_rng(devices=devices):
+            torch.manual_seed(_hash(":".join(map(str, seeds))) if seeds else 0)
+            rows = [p.tolist() for p in prompts]  # warm-up captures CUDA graphs: seconds wasted elsewhere
+            try:
+                out = model.generate_batch(rows, generation_config=config, progress_bar=False, warmup=bool(devices))
+            except Exception as err:  # a model or machine Transformers' paged attention does not cover
+                raise UserError(
+                    "--generation-backend continuous",
+                    f"Transformers' continuous batching failed here ({first_line(err)})",
+                    "use --generation-backend generate (the default)",
+                ) from None
+        ordered = sorted(out.values(), key=lambda o: int(o.request_id.rsplit("_", 1)[-1]))
+        return [cut_at_eos(list(o.generated_tokens), self.eos_ids) for o in ordered]
+
+
+BACKENDS = {"generate": HFGenerate, "continuous": ContinuousBatching}
+"""``--generation-backend``: the samplers by name."""
 
 
 def left_padded(prompts: list[torch.Tensor], pad_id: int) -> tuple[torch.Tensor, torch.Tensor]:

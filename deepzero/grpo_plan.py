@@ -40,6 +40,7 @@ def plan(args: TrainArgs, meta: dict[str, Any], config: Any) -> tuple[GRPOSettin
         num_iterations=args.num_iterations,
         mask_truncated_completions=args.mask_truncated_completions,
         generation_batch_size=args.generation_batch_size,
+        generation_backend=args.generation_backend,
         reference=("adapters-off" if lora else "frozen-copy") if beta else "none",
     )
     settings.check()

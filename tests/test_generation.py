@@ -50,3 +50,17 @@ def test_top_p_keeps_every_draw_in_the_nucleus(model: torch.nn.Module) -> None:
     sampler = HFGenerate(8, (EOS,), 0, temperature=0.5, top_p=1e-6)
     sampled = sampler.sample(model, batch, [11, 12])
     assert sampled == sampler.sample(model, batch, None)
+
+
+def test_continuous_batching_gives_each_row_a_completion(model: torch.nn.Module) -> None:
+    """``--generation-backend continuous`` (Transformers' ``generate_batch``): one completion per row in the rows'
+    order, each at most the limit and cut at its end-of-sequence token; greedy equals the generate backend's greedy
+    (the same model, no sampling), which pins the rows' order. Each call costs seconds on a CPU (its scheduler
+    thread), so two calls."""
+    from deepzero.generation import ContinuousBatching
+
+    batch = prompts((5, 11, 8))
+    sampler = ContinuousBatching(6, (EOS,), 0)
+    sampled = sampler.sample(model, [p for p in batch for _ in range(2)], list(range(6)))
+    assert len(sampled) == 6 and all(0 < len(c) <= 6 and EOS not in c[:-1] for c in sampled)
+    assert sampler.sample(model, batch, None) == HFGenerate(6, (EOS,), 0).sample(model, batch, None)

@@ -31,7 +31,7 @@ from torch import nn
 
 from deepzero.data import IGNORE_INDEX
 from deepzero.errors import UserError
-from deepzero.generation import CompletionSampler, GroupSeeds, HFGenerate
+from deepzero.generation import BACKENDS, CompletionSampler, GroupSeeds
 from deepzero.losses.lm import loss_normalizer
 from deepzero.losses.tiled import has_tiled_loss
 
@@ -66,6 +66,8 @@ class GRPOSettings:
     """A completion that reached ``max_completion_length`` without an end-of-sequence token has no loss tokens."""
     generation_batch_size: int | None = None
     """Rows per generate call (None: all of a rank's rows at once)."""
+    generation_backend: str = "generate"
+    """``deepzero.generation.BACKENDS``: Transformers' generate, or its continuous batching."""
 
     @property
     def clip_high(self) -> float:
@@ -218,7 +220,7 @@ class GRPO:
         eos = tokenizer.eos_token_id
         self.pad_id = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else eos
         if self.sampler is None:
-            self.sampler = HFGenerate(
+            self.sampler = BACKENDS[s.generation_backend](
                 s.max_completion_length, (eos,), self.pad_id, s.temperature, s.top_p, s.generation_batch_size
             )
         if s.reference == "frozen-copy":
@@ -464,6 +466,7 @@ class GRPO:
             "frozen-copy": "reference = a frozen copy",
         }
         rows = "a rank's rows" if s.generation_batch_size is None else f"{s.generation_batch_size} rows"
+        rows += " (continuous batching)" if s.generation_backend == "continuous" else ""
         masked = ", truncated completions masked" if s.mask_truncated_completions else ""
         return (
             f"loss: GRPO {s.loss_type} (G {s.num_generations}, epsilon {s.epsilon:g}/{s.clip_high:g}, beta {s.beta:g},"
