@@ -216,6 +216,14 @@ class TrainArgs:
         default="group", **_help("GRPO: advantages divided by the group's reward std, the batch's, or not.")
     )
     num_iterations: int = field(default=1, **_help("GRPO: optimizer steps per generation batch (mu)."))
+    bias_correction_kl: bool = field(
+        default=True,
+        **_help("GRPO: multiply the KL term by the importance ratio (TRL 1.16's use_bias_correction_kl, its default)."),
+    )
+    importance_sampling_level: Literal["token", "sequence"] = field(
+        default="token",
+        **_help("GRPO: importance ratio per token, or per completion (GSPO; TRL's importance_sampling_level)."),
+    )
     generation_batch_size: int | None = field(
         default=None,
         **_help(

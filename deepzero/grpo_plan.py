@@ -4,6 +4,8 @@
 from __future__ import annotations
 
 import dataclasses
+import os
+import sys
 from pathlib import Path
 from typing import Any
 
@@ -11,6 +13,10 @@ from deepzero.args import TrainArgs
 from deepzero.dsconfig import BatchMath
 from deepzero.errors import UserError
 from deepzero.losses.grpo import GRPOSettings
+
+GRPO_LR = 1e-6
+"""What ``"lr": "auto"`` trains GRPO at: TRL 1.16's ``GRPOConfig.learning_rate`` (the fine-tuning default, 3e-5,
+is thirty times that)."""
 
 
 def plan(args: TrainArgs, meta: dict[str, Any], config: Any) -> tuple[GRPOSettings | None, Any]:
@@ -39,11 +45,25 @@ def plan(args: TrainArgs, meta: dict[str, Any], config: Any) -> tuple[GRPOSettin
         scale_rewards=args.scale_rewards,
         num_iterations=args.num_iterations,
         mask_truncated_completions=args.mask_truncated_completions,
+        bias_correction_kl=args.bias_correction_kl,
+        importance_sampling_level=args.importance_sampling_level,
         generation_batch_size=args.generation_batch_size,
         generation_backend=args.generation_backend,
         reference=("adapters-off" if lora else "frozen-copy") if beta else "none",
     )
     settings.check()
+    if (
+        settings.importance_sampling_level == "sequence"
+        and settings.loss_type != "grpo"
+        and os.environ.get("RANK", "0") == "0"
+    ):
+        print(
+            f"warning: --importance-sampling-level sequence with --loss-type {settings.loss_type} sums per-token"
+            " terms, weighting each completion by its length (TRL says so too). Fix: --loss-type grpo for GSPO's own"
+            " per-sequence objective",
+            file=sys.stderr,
+            flush=True,
+        )
     longest = int(meta.get("max_prompt_len", 0)) + settings.max_completion_length
     if longest > config.max_position_embeddings:
         raise UserError(

@@ -124,11 +124,16 @@ def plan_run(args: TrainArgs, world: int) -> RunPlan:
     preset = PRESETS.get(args.model)
     from_scratch = preset is not None and preset.hub_id is None and preset.pretrain_lr is not None
     scratch_warmup = from_scratch and args.lr is None and args.warmup_steps is None
+    default_lr, default_lr_source = None, "the fine-tuning default"
+    if from_scratch:
+        default_lr, default_lr_source = preset.pretrain_lr, f"model preset {args.model}, random init"
+    elif meta.get("format") == "prompts":  # GRPO
+        default_lr, default_lr_source = grpo_plan.GRPO_LR, "TRL 1.16's GRPO default"
     hints = dsconfig.TrainingHints(  # the preset's lr is what "lr": "auto" means; a number in the JSON wins
         max_steps=args.max_steps,
         lr=args.lr,
-        default_lr=preset.pretrain_lr if from_scratch else None,
-        default_lr_source=f"model preset {args.model}, random init" if from_scratch else "the fine-tuning default",
+        default_lr=default_lr,
+        default_lr_source=default_lr_source,
         warmup_steps=preset.pretrain_warmup_steps if scratch_warmup else args.warmup_steps,
         micro_batch=args.micro_batch,
         grad_accum=args.grad_accum,

@@ -85,19 +85,22 @@ def trl_self(model, settings: GRPOSettings, accum: int) -> SimpleNamespace:
         current_gradient_accumulation_steps=accum, max_completion_length=settings.max_completion_length,
         accelerator=accelerator, _metrics=defaultdict(lambda: defaultdict(list)), _entropy_bonus_enabled=False,
         aux_loss_enabled=False,
-        args=SimpleNamespace(use_bias_correction_kl=False, delta=None, steps_per_generation=accum),
+        args=SimpleNamespace(use_bias_correction_kl=settings.bias_correction_kl, delta=None, steps_per_generation=accum),
     )  # fmt: skip
+    ns.importance_sampling_level = settings.importance_sampling_level
     ns._get_per_token_logps_and_entropies = types.MethodType(GRPOTrainer._get_per_token_logps_and_entropies, ns)
     return ns
 
 
+@pytest.mark.parametrize("level", ["token", "sequence"])
 @pytest.mark.parametrize("beta", [0.0, 0.04])
 @pytest.mark.parametrize("loss_type", LOSS_TYPES)
-def test_loss_gradient_and_metrics_equal_trl_grpo_trainer(loss_type: str, beta: float) -> None:
+def test_loss_gradient_and_metrics_equal_trl_grpo_trainer(loss_type: str, beta: float, level: str) -> None:
     """Our GRPO loss of one micro-batch (tiled LM head, temperature 0.7, old log-probs off the current ones as
     with num_iterations > 1, a reference model for beta > 0) equals ``accum`` × TRL's ``_compute_loss`` (TRL
     divides by the accumulation steps itself; DeepSpeed does here), and so do the LM head's gradient and TRL's
-    entropy / clip_ratio / kl metrics. The largest relative difference is printed (pytest -s)."""
+    entropy / clip_ratio / kl metrics, at TRL 1.16's defaults (the KL's bias correction on), per token and per
+    sequence (GSPO). The largest relative difference is printed (pytest -s)."""
     from trl import GRPOTrainer
     from trl.trainer.utils import add_fused_lm_head
 
@@ -105,7 +108,9 @@ def test_loss_gradient_and_metrics_equal_trl_grpo_trainer(loss_type: str, beta: 
     settings = GRPOSettings(
         rewards=("x",), loss_type=loss_type, beta=beta, temperature=0.7, epsilon=0.2, epsilon_high=0.28,
         max_completion_length=8, num_iterations=2, reference="frozen-copy" if beta else "none",
+        importance_sampling_level=level,
     )  # fmt: skip
+    assert settings.bias_correction_kl  # TRL 1.16's default
     fx = fixed_inputs()
     ours_model = tiny_qwen()
     theirs_model = copy.deepcopy(ours_model)
@@ -142,7 +147,9 @@ def test_loss_gradient_and_metrics_equal_trl_grpo_trainer(loss_type: str, beta: 
     stats = objective.window_stats("train")
 
     diffs = {"loss": abs(ours.item() - accum * theirs.item()) / abs(accum * theirs.item())}
-    for key in ("entropy", "clip_ratio/low_mean", "clip_ratio/high_mean", "clip_ratio/region_mean", "kl"):
+    keys = ("entropy", "clip_ratio/low_mean", "clip_ratio/high_mean", "clip_ratio/region_mean", "kl")
+    for key in (*keys, "clip_ratio/low_min", "clip_ratio/high_max"):
+        assert (key in t._metrics["train"]) == (key in stats), key
         if key in t._metrics["train"]:
             expected = t._metrics["train"][key][0]
             diffs[key] = abs(stats[key] - expected) / max(abs(expected), 1e-12)
@@ -262,7 +269,10 @@ def rl_runs(rl: dict) -> dict:
     return {"root": root, "broken": broken, "resumed": resumed}
 
 
-METRICS = ("loss", "reward", "reward_std", "completions/mean_length", "entropy", "clip_ratio/region_mean")
+METRICS = (
+    "loss", "reward", "reward_std", "completions/mean_length", "entropy", "clip_ratio/region_mean", "num_tokens",
+    "rewards/share/std", "completions/max_length", "completions/min_terminated_length", "clip_ratio/high_max",
+)  # fmt: skip
 
 
 @pytest.mark.launcher
@@ -294,6 +304,16 @@ def test_train_py_logs_trls_metrics_and_resumes_exactly_and_1x3_equals_3x1(rl_ru
                 want = pytest.approx(full[step][key], rel=tolerance[0], abs=tolerance[1])
                 assert runs[step][key] == want, (step, key)
     assert len({full[s]["reward"] for s in generated}) > 1  # completions differ between generations
+    for step in generated:  # TRL's rollout metrics, each consistent with the others
+        r = full[step]
+        assert r["completions/min_length"] <= r["completions/mean_length"] <= r["completions/max_length"] <= 8
+        ended = ("min_terminated_length", "mean_terminated_length", "max_terminated_length")
+        low, mean, high = (r[f"completions/{k}"] for k in ended)
+        assert low <= mean <= high and (high > 0) == (r["completions/clipped_ratio"] < 1)
+        assert r["rewards/share/std"] == pytest.approx(r["reward_std"])  # one reward: the same
+        assert 0 <= r["clip_ratio/low_min"] <= r["clip_ratio/high_max"] + 1
+    tokens = [full[s]["num_tokens"] for s in sorted(generated)]
+    assert tokens == sorted(tokens) and tokens[0] > 12 * 8  # prompts + completions, all ranks, cumulative
     for step, record in full.items():  # the step's wall time split into its phases, as verl and TRL log it
         phases = [record[f"timing/{p}_s"] for p in ("generation", "scoring", "reference", "train")]
         assert min(phases) >= 0 and sum(phases) == pytest.approx(record["step_time_s"], rel=1e-6), record
@@ -421,3 +441,17 @@ def test_train_py_takes_the_planners_generation_batch_on_a_card_and_the_flag_ove
     assert planned.generation_batch_size == 5
     assert "5 rows per generate call" in GRPO(planned).describe()
     assert plan_run(parse_args([*args, "--generation-batch-size", "3"]), 3).grpo.generation_batch_size == 3
+
+
+def test_grpo_trains_at_trls_learning_rate_when_the_preset_says_auto(rl: dict, tmp_path) -> None:
+    """The presets' ``"lr": "auto"`` is TRL 1.16's GRPO default, 1e-6, on prompts data (3e-5 elsewhere), and the
+    header's source says so; ``--lr`` still wins."""
+    from deepzero.args import parse_args
+    from deepzero.run import plan_run
+
+    args = grpo_args(rl, tmp_path / "run")
+    at = args.index("--lr")
+    planned = plan_run(parse_args(args[:at] + args[at + 2 :]), 3)
+    assert planned.cfg.ds["optimizer"]["params"]["lr"] == 1e-6
+    assert "TRL 1.16's GRPO default" in planned.lr_source
+    assert plan_run(parse_args(args), 3).cfg.ds["optimizer"]["params"]["lr"] == 1e-3

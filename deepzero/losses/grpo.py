@@ -37,6 +37,7 @@ from deepzero.losses.tiled import has_tiled_loss
 
 LOSS_TYPES = ("dapo", "grpo", "dr_grpo", "bnpo")
 SCALES = ("group", "batch", "none")
+IMPORTANCE_LEVELS = ("token", "sequence")
 COMPLETIONS_FILE = "completions.jsonl"
 LOGGED_COMPLETIONS = 4
 """Prompts (with their completions and rewards) written to completions.jsonl at each log point."""
@@ -62,6 +63,12 @@ class GRPOSettings:
     num_iterations: int = 1
     reference: str = "none"
     """β > 0: "adapters-off" (LoRA) or "frozen-copy" (full fine-tuning); none for β = 0."""
+    bias_correction_kl: bool = True
+    """TRL 1.16's ``use_bias_correction_kl`` (its default): the KL term multiplied by the importance ratio ρ
+    (DeepSeek-V3.2's unbiased reverse KL), which changes the KL gradient even on-policy, where ρ = 1."""
+    importance_sampling_level: str = "token"
+    """TRL's ``importance_sampling_level``: "token" (one ratio per token) or "sequence" (GSPO: the exponential of
+    the completion's mean log-ratio, one per completion)."""
     mask_truncated_completions: bool = False
     """A completion that reached ``max_completion_length`` without an end-of-sequence token has no loss tokens."""
     generation_batch_size: int | None = None
@@ -88,6 +95,12 @@ class GRPOSettings:
         for flag, ok, what, example in checks:
             if not ok:
                 raise UserError(flag, f"must be {what}", f"pass e.g. {example}")
+        if self.importance_sampling_level not in IMPORTANCE_LEVELS:
+            raise UserError(
+                "--importance-sampling-level",
+                f"unknown {self.importance_sampling_level!r}",
+                f"use one of {', '.join(IMPORTANCE_LEVELS)}",
+            )
         if self.loss_type not in LOSS_TYPES:
             raise UserError(
                 "--loss-type", f"unknown GRPO loss {self.loss_type!r}", f"use one of {', '.join(LOSS_TYPES)}"
@@ -138,19 +151,26 @@ def token_logps(model: Any, batch: Batch, temperature: float) -> tuple[torch.Ten
 
 
 def per_token_loss(
-    s: GRPOSettings, logps: torch.Tensor, batch: Batch
+    s: GRPOSettings, logps: torch.Tensor, batch: Batch, mask: torch.Tensor
 ) -> tuple[torch.Tensor, torch.Tensor | None, torch.Tensor]:
-    """TRL's per-token loss, its per-token KL (β > 0) and the ratios ``ρ``."""
+    """TRL's per-token loss, its per-token KL (β > 0) and the importance ratios ``ρ`` ([b, L] per token, [b, 1] per
+    completion under GSPO's sequence level), as ``GRPOTrainer._compute_loss`` computes them."""
     old = batch.get("old_logps")
     old = logps.detach() if old is None else old
-    coef1 = torch.exp(logps - old)
-    adv = batch["advantages"].unsqueeze(1)
-    coef2 = torch.clamp(coef1, 1 - s.epsilon, 1 + s.clip_high)
-    loss = -torch.min(coef1 * adv, coef2 * adv)
+    log_ratio = logps - old
+    if s.importance_sampling_level == "sequence":
+        log_ratio = ((log_ratio * mask).sum(-1) / mask.sum(-1).clamp(min=1.0)).unsqueeze(-1)
+    coef1 = torch.exp(log_ratio)
     kl = None
     if s.beta != 0.0:
         ref = batch["ref_logps"]
         kl = torch.exp(ref - logps) - (ref - logps) - 1
+        if s.bias_correction_kl:
+            kl = kl * coef1
+    adv = batch["advantages"].unsqueeze(1)
+    coef2 = torch.clamp(coef1, 1 - s.epsilon, 1 + s.clip_high)
+    loss = -torch.min(coef1 * adv, coef2 * adv)
+    if kl is not None:
         loss = loss + s.beta * kl
     return loss, kl, coef1
 
@@ -165,6 +185,43 @@ def aggregate(s: GRPOSettings, loss: torch.Tensor, mask: torch.Tensor, normalize
     if s.loss_type == "dr_grpo":
         return (loss * mask).sum() / (loss.shape[0] * s.max_completion_length)
     return (loss * mask).sum() / normalizer
+
+
+def loss_stats(
+    s: GRPOSettings,
+    entropy: torch.Tensor,
+    kl: torch.Tensor | None,
+    coef: torch.Tensor,
+    advantages: torch.Tensor,
+    mask: torch.Tensor,
+) -> torch.Tensor:
+    """One micro-batch's sums for TRL's loss metrics: entropy and kl summed over completion tokens, their count; the
+    low / high / region clip indicators summed over what TRL averages them over (tokens, or completions under the
+    sequence level), that count; and each completion's clip fractions' smallest low and largest high (TRL's
+    ``clip_ratio/low_min`` and ``high_max``; NaN-free over completions with tokens)."""
+    adv = advantages.unsqueeze(1)
+    low = ((coef < 1 - s.epsilon) & (adv < 0)).float()
+    high = ((coef > 1 + s.clip_high) & (adv > 0)).float()
+    region = torch.maximum(low, high)
+    tokens = mask.sum()
+    if coef.shape[1] == 1:  # one ratio per completion: TRL averages over completions
+        clips, count = [x.sum() for x in (low, high, region)], torch.tensor(float(coef.shape[0]), device=mask.device)
+        low_seq, high_seq = low.squeeze(1), high.squeeze(1)
+    else:
+        clips, count = [(x * mask).sum() for x in (low, high, region)], tokens
+        per = mask.sum(-1)
+        low_seq, high_seq = (low * mask).sum(-1) / per, (high * mask).sum(-1) / per  # NaN for an empty completion
+    kl_sum = (kl * mask).sum() if kl is not None else torch.zeros((), device=mask.device)
+    extremes = [_nan_extreme(low_seq, min), _nan_extreme(high_seq, max)]
+    return torch.stack([(entropy * mask).sum(), kl_sum, tokens, *clips, count, *extremes]).detach().float()
+
+
+def _nan_extreme(x: torch.Tensor, which: Any) -> torch.Tensor:
+    """TRL's ``nanmin`` / ``nanmax`` of one micro-batch (NaN where every value is NaN)."""
+    kept = x[~torch.isnan(x)]
+    if kept.numel() == 0:
+        return torch.full((), float("nan"), device=x.device)
+    return kept.min() if which is min else kept.max()
 
 
 def completion_rows(
@@ -210,6 +267,9 @@ class GRPO:
         self._rollout_stats: dict[str, list[torch.Tensor]] = {"train": [], "eval": []}
         self._samples: list[dict[str, Any]] = []
         self.timer = PhaseTimer()
+        self._rollout_extremes: dict[str, list[torch.Tensor]] = {"train": [], "eval": []}
+        self.tokens_generated = 0
+        """Prompt and completion tokens of this rank's training generations, the run's (TRL's ``num_tokens``)."""
 
     # -- set-up -------------------------------------------------------------------------------------------------
     def attach(self, data: Any, tokenizer: Any, rewards: Any, out_dir: Path | None, model: nn.Module) -> None:
@@ -244,11 +304,13 @@ class GRPO:
     def rank_state(self) -> dict[str, Any]:
         """This rank's generation batch while ``num_iterations`` > 1 has steps left on it (its completions, old and
         reference log-probs), for its own checkpoint file: a resume then trains on it as the uninterrupted run."""
+        tokens = {"tokens_generated": self.tokens_generated}  # this rank's share of TRL's num_tokens
         if self._buffer is None or self._uses >= self.settings.num_iterations:
-            return {}
-        return {"generation_batch": self._buffer, "uses": self._uses}
+            return tokens
+        return {"generation_batch": self._buffer, "uses": self._uses, **tokens}
 
     def load_rank_state(self, state: dict[str, Any]) -> None:
+        self.tokens_generated = int(state.get("tokens_generated", 0))
         if state.get("generation_batch") is not None:
             self._buffer, self._uses = state["generation_batch"], int(state["uses"])
 
@@ -283,7 +345,7 @@ class GRPO:
         total, per_name = total.to(device), {k: v.to(device) for k, v in per_name.items()}
         batch_std = self._global_std(total) if s.scale_rewards == "batch" else None
         adv = advantages(total, g, s.scale_rewards, batch_std)
-        self._note_rollout("train", total, per_name, completions, g)
+        self._note_rollout("train", total, per_name, completions, g, batch_std, rows_prompts)
         self._keep_samples(texts, completions, total, g)
         n = len(completions)
         if n % accum:
@@ -351,16 +413,11 @@ class GRPO:
         s = self.settings
         logps, entropy = token_logps(model, batch, s.temperature)
         mask = (batch["labels"] != IGNORE_INDEX).float()
-        loss, kl, coef = per_token_loss(s, logps, batch)
+        loss, kl, coef = per_token_loss(s, logps, batch, mask)
         result = aggregate(s, loss, mask, normalizer)
         with torch.no_grad():
-            adv = batch["advantages"].unsqueeze(1)
-            low = ((coef < 1 - s.epsilon) & (adv < 0)).float()
-            high = ((coef > 1 + s.clip_high) & (adv > 0)).float()
-            parts = [entropy, low, high, torch.maximum(low, high), kl if kl is not None else torch.zeros_like(mask)]
-            sums = torch.stack([(p * mask).sum() for p in parts] + [mask.sum()])
             mode = "train" if _module(model).training else "eval"
-            self._loss_stats[mode].append(sums.detach().float())
+            self._loss_stats[mode].append(loss_stats(s, entropy, kl, coef, batch["advantages"], mask))
         return result
 
     def eval_sums(self, model: Any, batch: Batch) -> tuple[torch.Tensor, torch.Tensor]:
@@ -380,21 +437,42 @@ class GRPO:
     data_eval: Any = None
 
     # -- metrics ------------------------------------------------------------------------------------------------
-    def _note_rollout(self, mode: str, total: torch.Tensor, per_name: dict, completions: list[list[int]], g: int):
-        lengths = torch.tensor([float(len(c)) for c in completions], device=total.device)
-        truncated = torch.tensor([float(self.truncated(c)) for c in completions], device=total.device)
+    def _note_rollout(
+        self,
+        mode: str,
+        total: torch.Tensor,
+        per_name: dict,
+        completions: list[list[int]],
+        g: int,
+        batch_std: torch.Tensor | None = None,
+        prompts: list[torch.Tensor] | None = None,
+    ) -> None:
+        """One generation's sums for TRL's rollout metrics (``window_stats``), and its extremes (lengths)."""
+        dev = total.device
+        lengths = torch.tensor([float(len(c)) for c in completions], device=dev)
+        truncated = torch.tensor([self.truncated(c) for c in completions], device=dev)
         ok = ~torch.isnan(total)
-        zero_std = torch.zeros((), device=total.device)
-        if g > 1:
+        zero_std = torch.zeros((), device=dev)
+        if batch_std is not None:  # scale_rewards=batch: TRL's zero-std test is the batch's
+            zero_std = torch.isclose(batch_std, torch.zeros_like(batch_std)).float() * len(completions)
+        elif g > 1:
             std = nanstd(total.view(-1, g), dim=1)
             zero_std = torch.isclose(std, torch.zeros_like(std)).float().sum() * g
         values = [total.nan_to_num().sum(), (total.nan_to_num() ** 2).sum(), ok.float().sum()]
         for name in self.rewards.names:
             v = per_name[name]
             keep = ~torch.isnan(v)
-            values += [v.nan_to_num().sum(), keep.float().sum()]
-        values += [lengths.sum(), truncated.sum(), zero_std, torch.tensor(float(len(completions)), device=total.device)]
+            values += [v.nan_to_num().sum(), keep.float().sum(), (v.nan_to_num() ** 2).sum()]
+        ended = lengths[~truncated]
+        values += [lengths.sum(), truncated.float().sum(), zero_std, torch.tensor(float(len(completions)), device=dev)]
+        values += [ended.sum(), torch.tensor(float(ended.numel()), device=dev)]
+        if mode == "train" and prompts is not None:
+            self.tokens_generated += int(lengths.sum().item()) + sum(len(p) for p in prompts)
         self._rollout_stats[mode].append(torch.stack(values).float())
+        none = torch.tensor([math.inf], device=dev)
+        low = torch.stack([lengths.min(), ended.min() if ended.numel() else none[0]])
+        high = torch.stack([lengths.max(), ended.max() if ended.numel() else -none[0]])
+        self._rollout_extremes[mode].append(torch.cat([low, -high]).float())  # one MIN reduction for all four
 
     def _keep_samples(self, prompts: list[str], completions: list[list[int]], total: torch.Tensor, g: int) -> None:
         texts = self.tokenizer.batch_decode(completions[: LOGGED_COMPLETIONS * g], skip_special_tokens=True)
@@ -422,33 +500,66 @@ class GRPO:
         losses, self._loss_stats[mode] = self._loss_stats[mode], []
         if rollouts:
             r = torch.stack(rollouts)
+            extremes, self._rollout_extremes[mode] = torch.stack(self._rollout_extremes[mode]), []
             if dist.is_initialized():
                 dist.all_reduce(r)
-            n = r[:, 2].clamp(min=1)
-            mean = r[:, 0] / n
-            std = torch.sqrt(((r[:, 1] - n * mean**2) / (n - 1).clamp(min=1)).clamp(min=0))
-            out["reward"], out["reward_std"] = mean.mean().item(), std.mean().item()
-            for k, name in enumerate(self.rewards.names):
-                out[f"rewards/{name}/mean"] = (r[:, 3 + 2 * k] / r[:, 4 + 2 * k].clamp(min=1)).mean().item()
-            base, count = 3 + 2 * len(self.rewards.names), r[:, -1].clamp(min=1)
-            out["completions/mean_length"] = (r[:, base] / count).mean().item()
-            out["completions/clipped_ratio"] = (r[:, base + 1] / count).mean().item()
-            if mode == "train":
-                out["frac_reward_zero_std"] = (r[:, base + 2] / count).mean().item()
+                dist.all_reduce(extremes, op=dist.ReduceOp.MIN)
+            out.update(self._rollout_metrics(r, extremes, mode))
         if losses:
             m = torch.stack(losses)
-            if dist.is_initialized():
-                dist.all_reduce(m)
-            per = m[:, :-1] / m[:, -1:].clamp(min=1)
-            mean = per.mean(0).tolist()
-            out["entropy"] = mean[0]
-            out["clip_ratio/low_mean"], out["clip_ratio/high_mean"], out["clip_ratio/region_mean"] = mean[1:4]
+            sums, low_min, high_max = m[:, :7].clone(), m[:, 7].clone(), m[:, 8].clone()
+            if dist.is_initialized():  # per micro-batch over ranks, as TRL's gather at each micro-batch
+                dist.all_reduce(sums)
+                dist.all_reduce(low_min.nan_to_num_(nan=math.inf), op=dist.ReduceOp.MIN)
+                dist.all_reduce(high_max.nan_to_num_(nan=-math.inf), op=dist.ReduceOp.MAX)
+                low_min[torch.isinf(low_min)], high_max[torch.isinf(high_max)] = math.nan, math.nan
+            tokens, count = sums[:, 2].clamp(min=1), sums[:, 6].clamp(min=1)
+            out["entropy"] = (sums[:, 0] / tokens).mean().item()
+            for k, name in enumerate(("low_mean", "high_mean", "region_mean")):
+                out[f"clip_ratio/{name}"] = (sums[:, 3 + k] / count).mean().item()
+            out["clip_ratio/low_min"] = torch.nanmean(low_min).item()
+            out["clip_ratio/high_max"] = torch.nanmean(high_max).item()
             if self.settings.beta != 0.0:
-                out["kl"] = mean[4]
+                out["kl"] = (sums[:, 1] / tokens).mean().item()
         if mode == "train":
             out.update(self.timer.window())
         if mode == "train" and rollouts:
             self._write_samples()
+        return out
+
+    def _rollout_metrics(self, r: torch.Tensor, extremes: torch.Tensor, mode: str) -> dict[str, float]:
+        """TRL's rollout metrics from each generation's global sums (rows of ``r``) and extremes, each the mean over
+        the window's generations of TRL's per-generation value."""
+
+        def mean_std(total: torch.Tensor, squares: torch.Tensor, n: torch.Tensor) -> tuple[float, float]:
+            n = n.clamp(min=1)
+            mean = total / n
+            std = torch.sqrt(((squares - n * mean**2) / (n - 1).clamp(min=1)).clamp(min=0))
+            return mean.mean().item(), std.mean().item()
+
+        out: dict[str, float] = {}
+        out["reward"], out["reward_std"] = mean_std(r[:, 0], r[:, 1], r[:, 2])
+        for k, name in enumerate(self.rewards.names):
+            column = 3 + 3 * k
+            mean, std = mean_std(r[:, column], r[:, column + 2], r[:, column + 1])
+            out[f"rewards/{name}/mean"], out[f"rewards/{name}/std"] = mean, std
+        base = 3 + 3 * len(self.rewards.names)
+        lengths, truncated, zero_std, count, ended, n_ended = r[:, base : base + 6].unbind(1)
+        count = count.clamp(min=1)
+        out["completions/mean_length"] = (lengths / count).mean().item()
+        out["completions/min_length"] = extremes[:, 0].mean().item()
+        out["completions/max_length"] = (-extremes[:, 2]).mean().item()
+        out["completions/clipped_ratio"] = (truncated / count).mean().item()
+        none = torch.isinf(extremes[:, 1])  # TRL: 0 where no completion ended
+        out["completions/mean_terminated_length"] = (ended / n_ended.clamp(min=1)).mean().item()
+        out["completions/min_terminated_length"] = extremes[:, 1].masked_fill(none, 0).mean().item()
+        out["completions/max_terminated_length"] = (-extremes[:, 3]).masked_fill(none, 0).mean().item()
+        if mode == "train":
+            out["frac_reward_zero_std"] = (zero_std / count).mean().item()
+            tokens = torch.tensor([float(self.tokens_generated)], device=r.device)
+            if dist.is_initialized():
+                dist.all_reduce(tokens)
+            out["num_tokens"] = tokens.item()
         return out
 
     def _write_samples(self) -> None:
