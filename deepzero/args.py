@@ -204,7 +204,12 @@ class TrainArgs:
         ),
     )
     num_generations: int = field(default=8, **_help("GRPO: completions sampled per prompt (G, a group)."))
-    max_completion_length: int = field(default=256, **_help("GRPO: most tokens a completion may have."))
+    max_completion_length: int | None = field(
+        default=None,
+        **_help(
+            "GRPO: most tokens a completion may have (default: the data's, meta.json max_completion_length; else 256)."
+        ),
+    )
     temperature: float = field(default=1.0, **_help("GRPO: sampling temperature (the log-probs use it too)."))
     top_p: float = field(default=1.0, **_help("GRPO: nucleus sampling, in (0, 1]."))
     epsilon: float = field(default=0.2, **_help("GRPO: lower clip of the ratio (1 - epsilon)."))

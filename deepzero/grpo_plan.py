@@ -19,6 +19,24 @@ GRPO_LR = 1e-6
 is thirty times that)."""
 
 
+def completion_limit(args: TrainArgs, meta: dict[str, Any]) -> int:
+    """``--max-completion-length``, else the data's (meta.json, what data/prepare.py budgeted), else 256 (TRL's
+    default is 512); a flag that differs from the data's is said in one warning line (soft_overlong keeps the
+    data's)."""
+    data = meta.get("max_completion_length")
+    if args.max_completion_length is None:
+        return int(data or 256)
+    if data and int(data) != args.max_completion_length and os.environ.get("RANK", "0") == "0":
+        print(
+            f"warning: --max-completion-length {args.max_completion_length} differs from the data's"
+            f" {data} ({args.data}/meta.json); --reward soft_overlong keeps the data's. Fix: drop the flag to"
+            " use the data's, or prepare the data with that --max-completion-length",
+            file=sys.stderr,
+            flush=True,
+        )
+    return args.max_completion_length
+
+
 def plan(args: TrainArgs, meta: dict[str, Any], config: Any) -> tuple[GRPOSettings | None, Any]:
     """GRPO's settings and rewards for a prompts data folder (None, None for any other data; --reward there is
     refused). Every value is checked and the rewards imported here, before any weight is loaded."""
@@ -35,7 +53,7 @@ def plan(args: TrainArgs, meta: dict[str, Any], config: Any) -> tuple[GRPOSettin
     settings = GRPOSettings(
         rewards=tuple(args.reward),
         num_generations=args.num_generations,
-        max_completion_length=args.max_completion_length,
+        max_completion_length=completion_limit(args, meta),
         temperature=args.temperature,
         top_p=args.top_p,
         epsilon=args.epsilon,
@@ -74,7 +92,7 @@ def plan(args: TrainArgs, meta: dict[str, Any], config: Any) -> tuple[GRPOSettin
         )
     from deepzero.rewards import parse_rewards
 
-    rewards = parse_rewards(list(args.reward), settings.max_completion_length)
+    rewards = parse_rewards(list(args.reward), int(meta.get("max_completion_length") or settings.max_completion_length))
     rewards.check_fields(meta.get("record_fields", []), args.data)
     return settings, rewards
 

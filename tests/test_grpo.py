@@ -455,3 +455,29 @@ def test_grpo_trains_at_trls_learning_rate_when_the_preset_says_auto(rl: dict, t
     assert planned.cfg.ds["optimizer"]["params"]["lr"] == 1e-6
     assert "TRL 1.16's GRPO default" in planned.lr_source
     assert plan_run(parse_args(args), 3).cfg.ds["optimizer"]["params"]["lr"] == 1e-3
+
+
+def test_the_completion_limit_is_the_datas_unless_a_flag_says_otherwise(
+    rl: dict, tmp_path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """Without --max-completion-length GRPO generates up to the data's max_completion_length (meta.json); a flag that
+    differs is used and said in one warning line; --reward soft_overlong always punishes against the data's."""
+    from transformers import AutoConfig
+
+    from deepzero import grpo_plan
+    from deepzero.args import parse_args
+    from deepzero.data import load_meta
+
+    meta, config = load_meta(rl["data"]), AutoConfig.from_pretrained(rl["model"])
+    data_limit = meta["max_completion_length"]
+    args = grpo_args(rl, tmp_path / "run", "share")
+    at = args.index("--max-completion-length")
+    base = args[:at] + args[at + 2 :] + ["--reward", "soft_overlong"]
+    settings, rewards = grpo_plan.plan(parse_args(base), meta, config)
+    assert settings.max_completion_length == data_limit and "differs" not in capsys.readouterr().err
+    flagged, again = grpo_plan.plan(parse_args([*base, "--max-completion-length", "4"]), meta, config)
+    assert flagged.max_completion_length == 4 and "differs from the data's" in capsys.readouterr().err
+    long = [[5] * (data_limit - 1)]
+    _, each = rewards.score(["p"], ["x"], long, [{"chars": "x"}], [0])
+    _, same = again.score(["p"], ["x"], long, [{"chars": "x"}], [0])
+    assert 0 > each["soft_overlong"].item() == same["soft_overlong"].item() > -1  # in the data's limit's cache
