@@ -8,7 +8,7 @@ import json
 import math
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
-from typing import Literal
+from typing import Any, Literal
 
 from deepzero.errors import UserError
 
@@ -212,6 +212,13 @@ class TrainArgs:
     )
     temperature: float = field(default=1.0, **_help("GRPO: sampling temperature (the log-probs use it too)."))
     top_p: float = field(default=1.0, **_help("GRPO: nucleus sampling, in (0, 1]."))
+    top_k: int = field(default=0, **_help("GRPO: sample among the k most likely tokens (0: off, TRL's default)."))
+    min_p: float | None = field(default=None, **_help("GRPO: min-p sampling threshold (off by default, as TRL)."))
+    repetition_penalty: float = field(default=1.0, **_help("GRPO: repetition penalty (1.0: none, TRL's default)."))
+    generation_kwargs: str | None = field(
+        default=None,
+        **_help("GRPO: more generate arguments as a JSON object, e.g. '{\"no_repeat_ngram_size\": 3}' (TRL's)."),
+    )
     epsilon: float = field(default=0.2, **_help("GRPO: lower clip of the ratio (1 - epsilon)."))
     epsilon_high: float | None = field(default=None, **_help("GRPO: upper clip (1 + epsilon_high; default epsilon)."))
     loss_type: Literal["dapo", "grpo", "dr_grpo", "bnpo"] = field(
@@ -290,7 +297,13 @@ class TrainArgs:
                     f"must be at least 1, got {getattr(self, name)}",
                     "pass a positive integer",
                 )
-        for name, top in (("temperature", math.inf), ("top_p", 1.0), ("epsilon", math.inf), ("epsilon_high", math.inf)):
+        if self.top_k < 0:
+            raise UserError("--top-k", f"must be 0 (off) or more, got {self.top_k}", "pass e.g. 50, or 0")
+        if self.min_p is not None and not (math.isfinite(self.min_p) and 0 <= self.min_p <= 1):
+            raise UserError("--min-p", f"must be in [0, 1], got {self.min_p}", "pass e.g. 0.1")
+        generation_kwargs(self.generation_kwargs)
+        numbers = (("temperature", math.inf), ("top_p", 1.0), ("epsilon", math.inf), ("epsilon_high", math.inf))
+        for name, top in (*numbers, ("repetition_penalty", math.inf)):
             value = getattr(self, name)
             if value is not None and not (math.isfinite(value) and 0 < value <= top):
                 bound = "in (0, 1]" if top == 1.0 else "a positive number"
@@ -315,6 +328,24 @@ class TrainArgs:
 def _flag_error(message: str) -> None:
     """argparse's error (a value of the wrong type, a missing value): one line naming the flag."""
     raise UserError("train.py", message, "see python train.py --help")
+
+
+def generation_kwargs(text: str | None) -> dict[str, Any]:
+    """``--generation-kwargs``: a JSON object, or one line saying what is wrong with it."""
+    if text is None:
+        return {}
+    try:
+        value = json.loads(text)
+    except json.JSONDecodeError as err:
+        raise UserError(
+            "--generation-kwargs", f"not JSON ({err.msg} at character {err.pos})", _KWARGS_EXAMPLE
+        ) from None
+    if not isinstance(value, dict):
+        raise UserError("--generation-kwargs", f"must be a JSON object, got {type(value).__name__}", _KWARGS_EXAMPLE)
+    return value
+
+
+_KWARGS_EXAMPLE = """pass an object, e.g. '{"no_repeat_ngram_size": 3}'"""
 
 
 def parse_args(argv: list[str] | None = None) -> TrainArgs:

@@ -91,8 +91,9 @@ class RowStreams:
 
 @dataclass
 class HFGenerate:
-    """Transformers' ``generate`` (KV cache, left-padded rows, positions from the attention mask), sampling with
-    ``temperature`` and ``top_p`` (top-k off, as TRL's default) row by row (``RowStreams``), stopping at
+    """Transformers' ``generate`` (KV cache, left-padded rows, positions from the attention mask), sampling row by
+    row (``RowStreams``) with TRL's options and defaults (``temperature`` 1, ``top_p`` 1, ``top_k`` 0 = off,
+    ``min_p`` off, ``repetition_penalty`` 1, ``generation_kwargs`` passed on to ``generate``), stopping at any of
     ``eos_ids`` or after ``max_new_tokens``; ``batch_rows`` rows per call (None: all in one)."""
 
     max_new_tokens: int
@@ -101,6 +102,10 @@ class HFGenerate:
     temperature: float = 1.0
     top_p: float = 1.0
     batch_rows: int | None = None
+    top_k: int = 0
+    min_p: float | None = None
+    repetition_penalty: float = 1.0
+    generation_kwargs: dict[str, Any] | None = None
 
     def sample(self, model: Any, prompts: list[torch.Tensor], seeds: list[int] | None) -> list[list[int]]:
         size = self.batch_rows or max(len(prompts), 1)
@@ -112,10 +117,17 @@ class HFGenerate:
 
     @torch.no_grad()
     def _call(self, model: Any, prompts: list[torch.Tensor], seeds: list[int] | None) -> list[list[int]]:
-        from transformers import LogitsProcessorList, TemperatureLogitsWarper, TopPLogitsWarper
+        from transformers import (
+            LogitsProcessorList,
+            MinPLogitsWarper,
+            TemperatureLogitsWarper,
+            TopKLogitsWarper,
+            TopPLogitsWarper,
+        )
 
         inputs, mask = left_padded(prompts, self.pad_id)
         kwargs: dict[str, Any] = {
+            **(self.generation_kwargs or {}),
             "max_new_tokens": self.max_new_tokens,
             "eos_token_id": list(self.eos_ids),
             "pad_token_id": self.pad_id,
@@ -125,13 +137,18 @@ class HFGenerate:
             "temperature": None,
             "top_p": None,
             "top_k": None,
+            "repetition_penalty": self.repetition_penalty,  # a processor: applied before the rows' own draws
         }
-        if seeds is not None:
+        if seeds is not None:  # Transformers' warpers in its own order (temperature, top-k, top-p, min-p)
             warpers = LogitsProcessorList()
             if self.temperature != 1.0:
                 warpers.append(TemperatureLogitsWarper(self.temperature))
+            if self.top_k:
+                warpers.append(TopKLogitsWarper(self.top_k))
             if self.top_p < 1.0:
                 warpers.append(TopPLogitsWarper(self.top_p))
+            if self.min_p is not None:
+                warpers.append(MinPLogitsWarper(self.min_p))
             streams = RowStreams(seeds, self.max_new_tokens, inputs.shape[1], warpers, inputs.device)
             kwargs["logits_processor"] = LogitsProcessorList([streams])
         out = model.generate(inputs, **kwargs)
@@ -151,17 +168,24 @@ class ContinuousBatching:
     top_p: float = 1.0
     batch_rows: int | None = None
     """Unused: the scheduler sizes its own batches from the paged cache."""
+    top_k: int = 0
+    min_p: float | None = None
+    repetition_penalty: float = 1.0
+    generation_kwargs: dict[str, Any] | None = None
 
     def sample(self, model: Any, prompts: list[torch.Tensor], seeds: list[int] | None) -> list[list[int]]:
         from transformers import GenerationConfig
 
         sampled = seeds is not None
         config = GenerationConfig(
+            **(self.generation_kwargs or {}),
             max_new_tokens=self.max_new_tokens,
             do_sample=sampled,
             temperature=self.temperature if sampled else None,
             top_p=self.top_p if sampled else None,
-            top_k=0 if sampled else None,
+            top_k=self.top_k if sampled else None,
+            min_p=self.min_p if sampled else None,
+            repetition_penalty=self.repetition_penalty,
             eos_token_id=list(self.eos_ids),
             pad_token_id=self.pad_id,
         )

@@ -9,7 +9,7 @@ import sys
 from pathlib import Path
 from typing import Any
 
-from deepzero.args import TrainArgs
+from deepzero.args import TrainArgs, generation_kwargs
 from deepzero.dsconfig import BatchMath
 from deepzero.errors import UserError
 from deepzero.losses.grpo import GRPOSettings
@@ -56,6 +56,10 @@ def plan(args: TrainArgs, meta: dict[str, Any], config: Any) -> tuple[GRPOSettin
         max_completion_length=completion_limit(args, meta),
         temperature=args.temperature,
         top_p=args.top_p,
+        top_k=args.top_k,
+        min_p=args.min_p,
+        repetition_penalty=args.repetition_penalty,
+        generation_kwargs=generation_kwargs(args.generation_kwargs),
         epsilon=args.epsilon,
         epsilon_high=args.epsilon_high,
         loss_type=args.loss_type,

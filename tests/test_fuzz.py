@@ -215,7 +215,7 @@ def bad_flag_values(f: dataclasses.Field, tmp: Path) -> list[str]:
     return ["", "/nonexistent/x", str(tmp / "a-file"), str(tmp / "empty"), "bogus", "r=0", "r=abc,targets=none"]
 
 
-ZERO_ALLOWED = {"eval_interval", "save_interval", "seed", "moe_bias_rate", "moe_aux_alpha"}
+ZERO_ALLOWED = {"eval_interval", "save_interval", "seed", "moe_bias_rate", "moe_aux_alpha", "top_k", "min_p"}
 PATH_FLAGS = {"deepspeed_config", "model", "tokenizer", "data"}
 
 

@@ -64,3 +64,40 @@ def test_continuous_batching_gives_each_row_a_completion(model: torch.nn.Module)
     sampled = sampler.sample(model, [p for p in batch for _ in range(2)], list(range(6)))
     assert len(sampled) == 6 and all(0 < len(c) <= 6 and EOS not in c[:-1] for c in sampled)
     assert sampler.sample(model, batch, None) == HFGenerate(6, (EOS,), 0).sample(model, batch, None)
+
+
+def test_top_k_one_is_greedy_and_every_end_token_stops_a_row(model: torch.nn.Module) -> None:
+    """top-k 1 leaves one token, so sampling equals greedy whatever the row's stream; a row stops at the first of
+    any of ``eos_ids`` (TRL takes the tokenizer's and the generation config's), wherever it comes."""
+    batch = prompts((6, 9))
+    greedy = HFGenerate(10, (EOS,), 0).sample(model, batch, None)
+    assert HFGenerate(10, (EOS,), 0, top_k=1).sample(model, batch, [3, 4]) == greedy
+    early = greedy[0][2]  # a token the first row produces third: as an extra end token it ends that row there
+    ended = HFGenerate(10, (EOS, early), 0).sample(model, batch, None)
+    assert ended[0] == greedy[0][: greedy[0].index(early) + 1]
+    assert ended[1] == cut_at_eos(greedy[1], (EOS, early))
+
+
+def test_the_end_tokens_are_the_tokenizers_and_the_generation_configs() -> None:
+    from types import SimpleNamespace
+
+    from deepzero.losses.grpo import eos_ids
+
+    model = SimpleNamespace(generation_config=SimpleNamespace(eos_token_id=[7, 2, 9]))
+    assert eos_ids(SimpleNamespace(eos_token_id=2), model) == (2, 7, 9)
+    assert eos_ids(SimpleNamespace(eos_token_id=2), SimpleNamespace(generation_config=None)) == (2,)
+
+
+@pytest.mark.parametrize(
+    "text, message",
+    [('{"temperature": 0.5}', "--generation-kwargs temperature: is set by"), ("[1]", "must be a JSON object"),
+     ("{oops", "not JSON")],
+)  # fmt: skip
+def test_generation_kwargs_are_a_json_object_of_what_the_flags_do_not_own(text: str, message: str) -> None:
+    from deepzero.args import generation_kwargs
+    from deepzero.errors import UserError
+    from deepzero.losses.grpo import GRPOSettings
+
+    with pytest.raises(UserError, match=message):
+        GRPOSettings(rewards=("x",), generation_kwargs=generation_kwargs(text)).check()
+    assert generation_kwargs('{"no_repeat_ngram_size": 3}') == {"no_repeat_ngram_size": 3}

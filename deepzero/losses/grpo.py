@@ -21,7 +21,7 @@ import math
 import time
 from collections.abc import Iterator
 from contextlib import contextmanager, nullcontext
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
 
@@ -38,6 +38,11 @@ from deepzero.losses.tiled import has_tiled_loss
 LOSS_TYPES = ("dapo", "grpo", "dr_grpo", "bnpo")
 SCALES = ("group", "batch", "none")
 IMPORTANCE_LEVELS = ("token", "sequence")
+RESERVED_GENERATION_KWARGS = frozenset(
+    {"do_sample", "temperature", "top_p", "top_k", "min_p", "repetition_penalty", "max_new_tokens", "eos_token_id",
+     "pad_token_id", "logits_processor", "attention_mask", "use_cache", "num_return_sequences"}
+)  # fmt: skip
+"""``generate`` arguments the flags and the row-by-row sampler own."""
 COMPLETIONS_FILE = "completions.jsonl"
 LOGGED_COMPLETIONS = 4
 """Prompts (with their completions and rewards) written to completions.jsonl at each log point."""
@@ -69,6 +74,12 @@ class GRPOSettings:
     importance_sampling_level: str = "token"
     """TRL's ``importance_sampling_level``: "token" (one ratio per token) or "sequence" (GSPO: the exponential of
     the completion's mean log-ratio, one per completion)."""
+    top_k: int = 0
+    """0: off (TRL's default)."""
+    min_p: float | None = None
+    repetition_penalty: float = 1.0
+    generation_kwargs: dict[str, Any] = field(default_factory=dict)
+    """More ``generate`` / ``GenerationConfig`` arguments (``--generation-kwargs JSON``, TRL's ``generation_kwargs``)."""
     mask_truncated_completions: bool = False
     """A completion that reached ``max_completion_length`` without an end-of-sequence token has no loss tokens."""
     generation_batch_size: int | None = None
@@ -87,6 +98,14 @@ class GRPOSettings:
             ("--max-completion-length", self.max_completion_length >= 1, "at least 1", "256"),
             ("--temperature", math.isfinite(self.temperature) and self.temperature > 0, "positive", "1.0"),
             ("--top-p", 0 < self.top_p <= 1, "in (0, 1]", "1.0"),
+            ("--top-k", self.top_k >= 0, "0 (off) or more", "0"),
+            ("--min-p", self.min_p is None or 0 <= self.min_p <= 1, "in [0, 1]", "0.1"),
+            (
+                "--repetition-penalty",
+                math.isfinite(self.repetition_penalty) and self.repetition_penalty > 0,
+                "positive",
+                "1.0",
+            ),
             ("--epsilon", math.isfinite(self.epsilon) and 0 <= self.epsilon < 1, "in [0, 1)", "0.2"),
             ("--epsilon-high", self.epsilon_high is None or self.epsilon_high >= 0, "0 or more", "0.28"),
             ("--beta", math.isfinite(self.beta) and self.beta >= 0, "0 or more", "0.04"),
@@ -95,6 +114,12 @@ class GRPOSettings:
         for flag, ok, what, example in checks:
             if not ok:
                 raise UserError(flag, f"must be {what}", f"pass e.g. {example}")
+        if taken := sorted(set(self.generation_kwargs) & RESERVED_GENERATION_KWARGS):
+            raise UserError(
+                f"--generation-kwargs {taken[0]}",
+                "is set by deepzero's own flags or sampler",
+                "use --temperature / --top-p / --top-k / --min-p / --repetition-penalty / --max-completion-length",
+            )
         if self.importance_sampling_level not in IMPORTANCE_LEVELS:
             raise UserError(
                 "--importance-sampling-level",
@@ -185,6 +210,15 @@ def aggregate(s: GRPOSettings, loss: torch.Tensor, mask: torch.Tensor, normalize
     if s.loss_type == "dr_grpo":
         return (loss * mask).sum() / (loss.shape[0] * s.max_completion_length)
     return (loss * mask).sum() / normalizer
+
+
+def eos_ids(tokenizer: Any, model: nn.Module) -> tuple[int, ...]:
+    """The tokens that end a completion, as TRL 1.16 takes them: the tokenizer's end-of-sequence token and the
+    model's generation config's (Llama-3 and Qwen2.5-Instruct checkpoints name more than one)."""
+    config = getattr(_module(model), "generation_config", None)
+    listed = getattr(config, "eos_token_id", None)
+    listed = [] if listed is None else [listed] if isinstance(listed, int) else list(listed)
+    return tuple(dict.fromkeys([tokenizer.eos_token_id, *listed]))
 
 
 def loss_stats(
@@ -281,8 +315,9 @@ class GRPO:
         self.pad_id = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else eos
         if self.sampler is None:
             self.sampler = BACKENDS[s.generation_backend](
-                s.max_completion_length, (eos,), self.pad_id, s.temperature, s.top_p, s.generation_batch_size
-            )
+                s.max_completion_length, eos_ids(tokenizer, model), self.pad_id, s.temperature, s.top_p,
+                s.generation_batch_size, s.top_k, s.min_p, s.repetition_penalty, dict(s.generation_kwargs),
+            )  # fmt: skip
         if s.reference == "frozen-copy":
             self.reference_model = copy.deepcopy(model).eval().requires_grad_(False)
 
