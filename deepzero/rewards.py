@@ -12,10 +12,17 @@ assistant message each):
 - ``exact``: 1.0 when the completion's final answer equals the record's ``answer``'s final answer, else 0.0
   (:func:`final_answer`).
 
-A user's own: ``--reward path/to/file.py:function`` with TRL's signature ``f(prompts, completions, completion_ids,
-**columns) -> list[float | None]``: ``prompts`` the rendered prompt texts, ``completions`` the completion texts,
-``completion_ids`` their token ids, and each record field as a keyword holding one value per completion (TRL
-passes dataset columns so). Its metrics are named by the function, as TRL names a reward by its ``__name__``
+- ``reasoning_accuracy``: ``reasoning_accuracy_reward`` (needs ``math-verify``): ``accuracy`` on the text after the
+  reasoning's closing delimiter (``</think>``), 0 when the reasoning does not close.
+
+A user's own: ``--reward path/to/file.py:function`` with TRL 1.16's signature ``f(prompts, completions,
+completion_ids, **kwargs) -> list[float | None]``, called as ``GRPOTrainer`` calls it: ``prompts`` the records'
+prompts as given (a string, or a message list for conversational data), ``completions`` the completion texts, or
+for conversational prompts ``[{"role": "assistant", "content": text}]`` each, ``completion_ids`` their token ids,
+each record field as a keyword holding one value per completion (TRL passes dataset columns so), and
+``trainer_state`` (``.global_step``), ``log_extra(column, values)`` (a column in completions.jsonl) and
+``log_metric(name, value)`` (a scalar in metrics.jsonl, averaged over the log window). A function without
+``**kwargs`` gets only the keywords it names. Its metrics are named by the function, as TRL names a reward by its ``__name__``
 (``rewards/function/mean``); its errors name ``path/to/file.py:function``. ``None`` means "does not apply": per TRL's rule the total is the sum of the weighted
 rewards that are not ``None`` (``nansum``), and NaN where every reward is ``None``.
 
@@ -33,15 +40,16 @@ import numbers
 import re
 import sys
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
+from types import SimpleNamespace
 from typing import Any
 
 import torch
 
 from deepzero.errors import UserError
 
-BUILTINS = ("accuracy", "think_format", "soft_overlong", "exact")
+BUILTINS = ("accuracy", "reasoning_accuracy", "think_format", "soft_overlong", "exact")
 _FIX_SPEC = f"pass --reward NAME[:WEIGHT] with NAME one of {', '.join(BUILTINS)} or path/to/file.py:function"
 _NUMBER = re.compile(r"-?\d[\d,]*(?:\.\d+)?|-?\.\d+")
 _BOXED = re.compile(r"\\boxed\{([^{}]*)\}")
@@ -60,10 +68,11 @@ def final_answer(text: str) -> str:
     return lines[-1] if lines else ""
 
 
-def exact_reward(completions: list[str], answer: list[Any], **columns: Any) -> list[float]:
+def exact_reward(completions: list[Any], answer: list[Any], **columns: Any) -> list[float]:
     """1.0 where :func:`final_answer` of the completion equals that of the record's ``answer`` (as numbers when both
     are numbers: ``72.0`` equals ``72``), else 0.0."""
-    return [float(_same(final_answer(c), final_answer(str(a)))) for c, a in zip(completions, answer, strict=True)]
+    texts = [c[-1]["content"] if isinstance(c, list) else c for c in completions]  # a conversational prompt's
+    return [float(_same(final_answer(c), final_answer(str(a)))) for c, a in zip(texts, answer, strict=True)]
 
 
 def _same(a: str, b: str) -> bool:
@@ -123,10 +132,14 @@ class RewardSet:
         completion_ids: list[list[int]],
         records: list[dict[str, Any]],
         indices: Sequence[int] | None = None,
+        raw_prompts: list[Any] | None = None,
+        context: RewardContext | None = None,
     ) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
         """``(total [n], {name: [n]})``: each reward's values (NaN for ``None``) and TRL's total, the ``nansum`` of
         the weighted rewards, NaN where every reward is ``None``. ``indices`` (the records' dataset indices) only
-        name a record in an error."""
+        name a record in an error. As TRL calls them: ``prompts`` the records' prompts as given (``raw_prompts``; the
+        rendered texts without them), completions as assistant messages for conversational prompts, and with
+        ``context`` its ``trainer_state``, ``log_extra`` and ``log_metric``."""
         n = len(completions)
         if not len(prompts) == len(completion_ids) == len(records) == n:
             raise ValueError(
@@ -135,8 +148,9 @@ class RewardSet:
         keys = sorted({k for rec in records for k in rec})
         columns = {k: [rec.get(k) for rec in records] for k in keys}
         each = {}
+        raw = raw_prompts if raw_prompts is not None else prompts
         for r in self.rewards:
-            each[r.name] = self._run(r, prompts, completions, completion_ids, columns, indices)
+            each[r.name] = self._run(r, prompts, completions, completion_ids, columns, indices, raw, context)
         per = torch.stack(list(each.values()), dim=1) if each else torch.zeros(n, 0)
         total = (per * self.weights.unsqueeze(0)).nansum(dim=1)
         total[torch.isnan(per).all(dim=1)] = torch.nan
@@ -150,15 +164,20 @@ class RewardSet:
         ids: list[list[int]],
         columns: dict[str, list[Any]],
         indices: Sequence[int] | None,
+        raw: list[Any],
+        context: RewardContext | None,
     ) -> torch.Tensor:
         def call(rows: list[int]) -> Any:
             texts = [completions[i] for i in rows]
             kwargs = {k: [v[i] for i in rows] for k, v in columns.items()}
-            if r.name == "accuracy" and "solution" not in kwargs and "answer" in kwargs:
+            if r.needs == ("solution", "answer") and "solution" not in kwargs and "answer" in kwargs:
                 kwargs["solution"] = [str(a) for a in kwargs["answer"]]
-            done = [[{"role": "assistant", "content": t}] for t in texts] if r.messages else texts
+            given = [raw[i] for i in rows]
+            chat = r.messages or any(isinstance(p, list) for p in given)  # TRL: conversational prompts
+            done = [[{"role": "assistant", "content": t}] for t in texts] if chat else texts
+            kwargs |= context.kwargs() if context is not None else {}
             return r.fn(
-                prompts=[prompts[i] for i in rows], completions=done, completion_ids=[ids[i] for i in rows], **kwargs
+                prompts=given, completions=done, completion_ids=[ids[i] for i in rows], **_accepted(r.fn, kwargs)
             )
 
         def record(i: int) -> str:
@@ -190,6 +209,38 @@ class RewardSet:
             if value is not None and not isinstance(value, numbers.Real):
                 raise UserError(where, f"returned {value!r} ({type(value).__name__}) for {record(i)}", fix)
         return torch.tensor([math.nan if v is None else float(v) for v in out], dtype=torch.float32)
+
+
+@dataclass
+class RewardContext:
+    """What TRL 1.16 passes a reward besides its data: ``trainer_state`` (``global_step``: optimizer steps done),
+    ``log_extra(column, values)`` (a column of the completions table: completions.jsonl here) and
+    ``log_metric(name, value)`` (a scalar averaged over the log window: metrics.jsonl here)."""
+
+    global_step: int = 0
+    extra: dict[str, list[Any]] = field(default_factory=dict)
+    metrics: dict[str, list[float]] = field(default_factory=dict)
+
+    def log_extra(self, column: str, values: list[Any]) -> None:
+        self.extra.setdefault(column, []).extend(values)
+
+    def log_metric(self, name: str, value: float) -> None:
+        self.metrics.setdefault(name, []).append(float(value))
+
+    def kwargs(self) -> dict[str, Any]:
+        state = SimpleNamespace(global_step=self.global_step)
+        return {"trainer_state": state, "log_extra": self.log_extra, "log_metric": self.log_metric}
+
+
+def _accepted(fn: Callable[..., Any], kwargs: dict[str, Any]) -> dict[str, Any]:
+    """``kwargs`` as ``fn`` takes them: all of them with ``**kwargs`` (TRL's rewards), else those it names."""
+    try:
+        params = inspect.signature(fn).parameters
+    except (TypeError, ValueError):  # a builtin or C function: give it everything, as TRL does
+        return kwargs
+    if any(p.kind is inspect.Parameter.VAR_KEYWORD for p in params.values()):
+        return kwargs
+    return {k: v for k, v in kwargs.items() if k in params}
 
 
 def _raises(call: Callable[[list[int]], Any], i: int) -> bool:
@@ -243,6 +294,13 @@ def _parse_one(spec: str, max_completion_length: int | None, cache: int | None) 
         if not is_math_verify_available():
             raise UserError(where, "needs the math-verify package, which is not installed", "pip install math-verify")
         return Reward(name, w, accuracy_reward, messages=True, needs=("solution", "answer"))
+    if name == "reasoning_accuracy":
+        from trl.import_utils import is_math_verify_available
+        from trl.rewards import reasoning_accuracy_reward
+
+        if not is_math_verify_available():
+            raise UserError(where, "needs the math-verify package, which is not installed", "pip install math-verify")
+        return Reward(name, w, reasoning_accuracy_reward, messages=True, needs=("solution", "answer"))
     if name == "think_format":
         from trl.rewards import think_format_reward
 

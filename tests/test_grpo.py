@@ -412,7 +412,7 @@ def test_mask_truncated_completions_leaves_the_cut_rows_out_of_the_loss(mask: bo
     sampler = SimpleNamespace(eos_ids=(2,), sample=lambda model, prompts, seeds: completions)
     objective = GRPO(GRPOSettings(rewards=("x",), num_generations=2, max_completion_length=4), sampler=sampler)
     objective.settings.mask_truncated_completions = mask
-    objective.data = SimpleNamespace(record=lambda i: {}, prompt_text=lambda i: "p")
+    objective.data = SimpleNamespace(record=lambda i: {}, prompt_text=lambda i: "p", prompt=lambda i: "p")
     objective.tokenizer = SimpleNamespace(batch_decode=lambda rows, skip_special_tokens: ["x"] * len(rows))
     rewards = torch.tensor([1.0, 0.0, 0.0, 1.0])
     objective.rewards = SimpleNamespace(names=(), score=lambda *a: (rewards, {}))
@@ -481,3 +481,49 @@ def test_the_completion_limit_is_the_datas_unless_a_flag_says_otherwise(
     _, each = rewards.score(["p"], ["x"], long, [{"chars": "x"}], [0])
     _, same = again.score(["p"], ["x"], long, [{"chars": "x"}], [0])
     assert 0 > each["soft_overlong"].item() == same["soft_overlong"].item() > -1  # in the data's limit's cache
+
+
+TRL_STYLE_REWARDS = '''
+def reward_len(completions, **kwargs):
+    """TRL's docs' example, for conversational data: completion[0]["content"]."""
+    return [-abs(20 - len(completion[0]["content"])) for completion in completions]
+
+
+def with_state(prompts, completions, completion_ids, solution, trainer_state, log_extra, log_metric, **kwargs):
+    assert all(isinstance(p, list) and p[-1]["role"] == "user" for p in prompts), prompts
+    contents = [c[0]["content"] for c in completions]
+    log_extra("chars", [len(c) for c in contents])
+    log_metric("step_seen", float(trainer_state.global_step))
+    return [float(c.endswith(s)) for c, s in zip(contents, solution)]
+'''
+
+
+def test_a_reward_file_in_trls_style_for_chat_prompts_runs_unchanged(tmp_path) -> None:
+    """GRPO's scoring as TRL 1.16 calls rewards, through the product's generate_and_score: message-list prompts as
+    given, each completion as ``[{"role": "assistant", "content": ...}]``, every column, ``trainer_state``,
+    ``log_extra`` (a column of completions.jsonl) and ``log_metric`` (a metric of the window); a reward file written
+    for TRL's GRPOTrainer (its docs' ``reward_len``) scores without a change."""
+    from deepzero.losses.grpo import GRPO
+    from deepzero.rewards import parse_rewards
+
+    (tmp_path / "r.py").write_text(TRL_STYLE_REWARDS)
+    rewards = parse_rewards([f"{tmp_path}/r.py:reward_len", f"{tmp_path}/r.py:with_state"], 8)
+    texts = {5: "abc", 6: "abcdef"}
+    completions = [[5, 2], [6, 2]]
+    sampler = SimpleNamespace(eos_ids=(2,), sample=lambda model, prompts, seeds: completions)
+    settings = GRPOSettings(rewards=("x",), num_generations=2, max_completion_length=8, num_iterations=3)
+    objective = GRPO(settings, sampler=sampler)
+    chat = [{"role": "user", "content": "say it"}]
+    objective.data = SimpleNamespace(
+        record=lambda i: {"solution": "def"}, prompt_text=lambda i: "x", prompt=lambda i: chat
+    )
+    objective.tokenizer = SimpleNamespace(batch_decode=lambda rows, skip_special_tokens: [texts[r[0]] for r in rows])
+    objective.rewards, objective.out_dir = rewards, tmp_path
+    objective.seeds.generations = 4  # 4 generations of 3 steps each done: TRL's global_step 12
+    prompts = {"prompt_ids": torch.tensor([[3, 4]]), "prompt_mask": torch.ones(1, 2), "index": torch.arange(1)}
+    objective.generate_and_score(tiny_qwen(), prompts, accum=1)
+    stats = objective.window_stats("train")
+    assert stats["rewards/reward_len/mean"] == pytest.approx((-17 - 14) / 2)
+    assert stats["rewards/with_state/mean"] == pytest.approx(0.5) and stats["step_seen"] == 12.0
+    (line,) = (tmp_path / "completions.jsonl").read_text().splitlines()
+    assert [s["chars"] for s in json.loads(line)["samples"]] == [3, 6]

@@ -8,7 +8,12 @@ from pathlib import Path
 
 import pytest
 import torch
-from trl.rewards import accuracy_reward, get_soft_overlong_punishment, think_format_reward
+from trl.rewards import (
+    accuracy_reward,
+    get_soft_overlong_punishment,
+    reasoning_accuracy_reward,
+    think_format_reward,
+)
 
 from deepzero.errors import UserError
 from deepzero.rewards import final_answer, parse_rewards
@@ -35,10 +40,11 @@ def score(specs: list[str], records: list[dict], completions: list[str] = COMPLE
 
 def test_each_builtin_equals_calling_trls_function_directly() -> None:
     records = [{"solution": s, "extra": i} for i, s in enumerate(SOLUTIONS)]
-    _, each = score(["accuracy", "think_format", "soft_overlong"], records, max_completion_length=100,
-                    soft_punish_cache=20)  # fmt: skip
+    _, each = score(["accuracy", "reasoning_accuracy", "think_format", "soft_overlong"], records,
+                    max_completion_length=100, soft_punish_cache=20)  # fmt: skip
     trl = {
         "accuracy": accuracy_reward(messages(COMPLETIONS), SOLUTIONS),
+        "reasoning_accuracy": reasoning_accuracy_reward(messages(COMPLETIONS), SOLUTIONS),
         "think_format": think_format_reward(messages(COMPLETIONS)),
         "soft_overlong": get_soft_overlong_punishment(100, 20)(IDS),
     }

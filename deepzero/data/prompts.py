@@ -307,6 +307,10 @@ class PromptDataset(PackedDataset):
         """The record's fields other than ``prompt`` (``answer``, ``tests``, ...), as prepared."""
         return self._line(i)["fields"]
 
+    def prompt(self, i: int) -> Any:
+        """The record's prompt as given: a string, or a message list (what TRL passes a reward as ``prompts``)."""
+        return self._line(i)["prompt"]
+
     def prompt_text(self, i: int) -> str:
         """The prompt as rendered (chat template applied), without the tokenizer's prefix."""
         return self._line(i)["text"]

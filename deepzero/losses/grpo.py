@@ -34,6 +34,7 @@ from deepzero.errors import UserError
 from deepzero.generation import BACKENDS, CompletionSampler, GroupSeeds
 from deepzero.losses.lm import loss_normalizer
 from deepzero.losses.tiled import has_tiled_loss
+from deepzero.rewards import RewardContext
 
 LOSS_TYPES = ("dapo", "grpo", "dr_grpo", "bnpo")
 SCALES = ("group", "batch", "none")
@@ -303,6 +304,8 @@ class GRPO:
         self.timer = PhaseTimer()
         self._rollout_extremes: dict[str, list[torch.Tensor]] = {"train": [], "eval": []}
         self.tokens_generated = 0
+        self._reward_metrics: dict[str, list[float]] = {}
+        self._extra: dict[str, list[Any]] = {}
         """Prompt and completion tokens of this rank's training generations, the run's (TRL's ``num_tokens``)."""
 
     # -- set-up -------------------------------------------------------------------------------------------------
@@ -374,8 +377,13 @@ class GRPO:
         self.seeds.generations += 1
         records = [self.data.record(i) for i in index for _ in range(g)]
         texts = [self.data.prompt_text(i) for i in index for _ in range(g)]
+        raw = [self.data.prompt(i) for i in index for _ in range(g)]
+        context = RewardContext(global_step=generation * s.num_iterations)  # optimizer steps done
         with self.timer.phase("scoring"):
-            total, per_name = self.score(texts, completions, records, [i for i in index for _ in range(g)])
+            total, per_name = self.score(
+                texts, completions, records, [i for i in index for _ in range(g)], raw, context
+            )
+        self._note_reward_logs(context, len(completions))
         device = prompts["prompt_ids"].device
         total, per_name = total.to(device), {k: v.to(device) for k, v in per_name.items()}
         batch_std = self._global_std(total) if s.scale_rewards == "batch" else None
@@ -415,14 +423,20 @@ class GRPO:
             return token_logps(engine, batch, self.settings.temperature)[0]
 
     def score(
-        self, prompts: list[str], completions: list[list[int]], records: list[dict], index: list[int]
+        self,
+        prompts: list[str],
+        completions: list[list[int]],
+        records: list[dict],
+        index: list[int],
+        raw: list[Any] | None = None,
+        context: RewardContext | None = None,
     ) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
         """The rewards of every completion; a bad reward stops every rank with the failing rank's line."""
         texts = self.tokenizer.batch_decode(completions, skip_special_tokens=True)
         error = None
         total, per_name = torch.zeros(0), {}
         try:
-            total, per_name = self.rewards.score(prompts, texts, completions, records, index)
+            total, per_name = self.rewards.score(prompts, texts, completions, records, index, raw, context)
             if per_name:
                 all_none = torch.stack([v.float() for v in per_name.values()], 1).isnan().all(1)
                 total = total.float().masked_fill(all_none, float("nan"))
@@ -464,7 +478,8 @@ class GRPO:
             completions = self.sampler.sample(mod, ids, None)
         records = [self.data_eval.record(i) for i in index]
         texts = [self.data_eval.prompt_text(i) for i in index]
-        total, per_name = self.score(texts, completions, records, index)
+        raw = [self.data_eval.prompt(i) for i in index]
+        total, per_name = self.score(texts, completions, records, index, raw, RewardContext(self.seeds.generations))
         device = batch["prompt_ids"].device
         self._note_rollout("eval", total.to(device), {k: v.to(device) for k, v in per_name.items()}, completions, 1)
         return -torch.nansum(total).to(device), torch.tensor(float(len(completions)), device=device)
@@ -509,10 +524,19 @@ class GRPO:
         high = torch.stack([lengths.max(), ended.max() if ended.numel() else -none[0]])
         self._rollout_extremes[mode].append(torch.cat([low, -high]).float())  # one MIN reduction for all four
 
+    def _note_reward_logs(self, context: RewardContext, n: int) -> None:
+        """What the rewards logged: their metrics for the window, their extra columns (one value per completion)
+        for this generation's samples."""
+        for name, values in context.metrics.items():
+            self._reward_metrics.setdefault(name, []).extend(values)
+        self._extra = {k: v for k, v in context.extra.items() if len(v) == n}
+
     def _keep_samples(self, prompts: list[str], completions: list[list[int]], total: torch.Tensor, g: int) -> None:
         texts = self.tokenizer.batch_decode(completions[: LOGGED_COMPLETIONS * g], skip_special_tokens=True)
         self._samples = [
-            {"prompt": prompts[i], "completion": texts[i], "reward": float(total[i])} for i in range(0, len(texts))
+            {"prompt": prompts[i], "completion": texts[i], "reward": float(total[i])}
+            | {column: values[i] for column, values in self._extra.items()}
+            for i in range(0, len(texts))
         ][: LOGGED_COMPLETIONS * g]
 
     def _global_std(self, total: torch.Tensor) -> torch.Tensor:
@@ -558,9 +582,24 @@ class GRPO:
                 out["kl"] = (sums[:, 1] / tokens).mean().item()
         if mode == "train":
             out.update(self.timer.window())
+            out.update(self._reward_metrics_window())
         if mode == "train" and rollouts:
             self._write_samples()
         return out
+
+    def _reward_metrics_window(self) -> dict[str, float]:
+        """The rewards' ``log_metric`` values since the last log, each averaged over every rank's (TRL: over the
+        logging step); a collective, so every rank calls it."""
+        mine, self._reward_metrics = self._reward_metrics, {}
+        everyone = [mine]
+        if dist.is_initialized() and dist.get_world_size() > 1:
+            everyone = [None] * dist.get_world_size()
+            dist.all_gather_object(everyone, mine)
+        merged: dict[str, list[float]] = {}
+        for part in everyone:
+            for name, values in (part or {}).items():
+                merged.setdefault(name, []).extend(values)
+        return {name: sum(v) / len(v) for name, v in sorted(merged.items()) if v}
 
     def _rollout_metrics(self, r: torch.Tensor, extremes: torch.Tensor, mode: str) -> dict[str, float]:
         """TRL's rollout metrics from each generation's global sums (rows of ``r``) and extremes, each the mean over
