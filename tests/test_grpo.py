@@ -367,12 +367,18 @@ def test_lora_under_zero3_with_the_adapters_off_reference_starts_on_the_full_run
 def test_grpo_on_a_4bit_base_under_zero3(rl: dict, rl_runs: dict) -> None:
     """QLoRA GRPO (--load-in-4bit, ZeRO-3: the 4-bit blocks partitioned and gathered for generation) with beta 0.04
     against the 4-bit model with its adapters off: the KL is exactly 0 at step 1 (the adapters start at zero), then
-    grows; every step has a gradient and a reward."""
+    grows; every step has a gradient and a reward. The same launch runs TRL's other switches end to end: rewards
+    scaled by the whole batch's std (an all-reduce over the 3 ranks; frac_reward_zero_std is then all or nothing),
+    truncated completions masked, and a rank's 4 rows generated 3 at a time."""
     from tests.conftest import cpu_env, launch, records
 
     out = rl_runs["root"] / "qlora_zero3"
     extra = ["--deepspeed_config", "ds_configs/zero3.json", "--lora", "r=8", "--load-in-4bit", "--beta", "0.04"]
+    extra += ["--scale-rewards", "batch", "--mask-truncated-completions", "--generation-batch-size", "3"]
     proc = launch(grpo_args(rl, out, "share", 1, *extra, "--lr", "2e-2"), env=cpu_env())
+    assert (
+        "scale rewards batch" in proc.stdout and "3 rows per generate call, truncated completions masked" in proc.stdout
+    )
     header = "base in 4 bits (NF4, double quant, compute fp32, storage fp32, read on the host one rank at a time)"
     assert header in proc.stdout and "partitioned at load" in proc.stdout, proc.stdout[-3000:]
     assert "beta 0.04, reference = adapters off" in proc.stdout
@@ -380,6 +386,7 @@ def test_grpo_on_a_4bit_base_under_zero3(rl: dict, rl_runs: dict) -> None:
     assert sorted(steps) == list(range(1, STEPS + 1))
     assert steps[1]["kl"] == 0 and steps[STEPS]["kl"] > 0, steps
     assert all(steps[s]["grad_norm"] > 0 and 0 <= steps[s]["reward"] <= 1 for s in (1, 3)), steps
+    assert all(steps[s]["frac_reward_zero_std"] in (0.0, 1.0) for s in (1, 3)), steps
 
 
 @pytest.mark.launcher
