@@ -90,11 +90,10 @@ class RowStreams:
 
 
 @dataclass
-class HFGenerate:
-    """Transformers' ``generate`` (KV cache, left-padded rows, positions from the attention mask), sampling row by
-    row (``RowStreams``) with TRL's options and defaults (``temperature`` 1, ``top_p`` 1, ``top_k`` 0 = off,
-    ``min_p`` off, ``repetition_penalty`` 1, ``generation_kwargs`` passed on to ``generate``), stopping at any of
-    ``eos_ids`` or after ``max_new_tokens``; ``batch_rows`` rows per call (None: all in one)."""
+class Sampling:
+    """What a sampler is built with: TRL's options and defaults (``temperature`` 1, ``top_p`` 1, ``top_k`` 0 = off,
+    ``min_p`` off, ``repetition_penalty`` 1, ``generation_kwargs`` passed on), a completion ending at any of
+    ``eos_ids`` or after ``max_new_tokens``, and ``batch_rows`` rows per call (None: all in one)."""
 
     max_new_tokens: int
     eos_ids: tuple[int, ...]
@@ -106,6 +105,12 @@ class HFGenerate:
     min_p: float | None = None
     repetition_penalty: float = 1.0
     generation_kwargs: dict[str, Any] | None = None
+
+
+@dataclass
+class HFGenerate(Sampling):
+    """Transformers' ``generate`` (KV cache, left-padded rows, positions from the attention mask), sampling row by
+    row (``RowStreams``)."""
 
     def sample(self, model: Any, prompts: list[torch.Tensor], seeds: list[int] | None) -> list[list[int]]:
         size = self.batch_rows or max(len(prompts), 1)
@@ -156,22 +161,11 @@ class HFGenerate:
 
 
 @dataclass
-class ContinuousBatching:
+class ContinuousBatching(Sampling):
     """Transformers' continuous batching (``model.generate_batch``): every row a request, scheduled over a paged
     KV cache, so a short completion frees its slot for the next instead of waiting for the longest row. Sampling
-    with ``temperature`` / ``top_p`` from Transformers' RNG, seeded from the rows' seeds (one stream per call)."""
-
-    max_new_tokens: int
-    eos_ids: tuple[int, ...]
-    pad_id: int
-    temperature: float = 1.0
-    top_p: float = 1.0
-    batch_rows: int | None = None
-    """Unused: the scheduler sizes its own batches from the paged cache."""
-    top_k: int = 0
-    min_p: float | None = None
-    repetition_penalty: float = 1.0
-    generation_kwargs: dict[str, Any] | None = None
+    from Transformers' RNG, seeded from the rows' seeds (one stream per call); ``batch_rows`` is unused (the
+    scheduler sizes its own batches from the paged cache)."""
 
     def sample(self, model: Any, prompts: list[torch.Tensor], seeds: list[int] | None) -> list[list[int]]:
         from transformers import GenerationConfig

@@ -60,13 +60,9 @@ def check_fit(
     the smallest visible card; without CUDA there is nothing to check and the answer is None. ``cpu_mem_gb``
     None = detect the machine's RAM.
     """
-    if gpu_mem_gb is None:
-        gpu_mem_gb = detected_gpu_mem_gb()
-        if gpu_mem_gb is None:
-            return None
-    if cpu_mem_gb is None:
-        cpu_mem_gb = detected_cpu_mem_gb()
-    gpu_mem, cpu_mem = gpu_mem_gb * GiB, cpu_mem_gb * GiB if cpu_mem_gb else None
+    if (memory := _memory(gpu_mem_gb, cpu_mem_gb)) is None:
+        return None
+    gpu_mem_gb, cpu_mem_gb, gpu_mem, cpu_mem = memory
     try:
         stats, est = run_estimate(model_config, engine, cfg, seq_len, world_size, pretrained, savers, rows_per_sample)
     except UserError:
@@ -115,20 +111,29 @@ def generation_batch(
     """GRPO: the most of a rank's ``most`` completion rows one ``generate`` call can take beside training, with
     prompts of ``grpo.prompt_len`` and ``completion`` tokens (``generation_rows``); None without CUDA (nothing to
     fit: every row in one call) or where the model cannot be planned."""
-    if gpu_mem_gb is None:
-        gpu_mem_gb = detected_gpu_mem_gb()
-        if gpu_mem_gb is None:
-            return None
-    if cpu_mem_gb is None:
-        cpu_mem_gb = detected_cpu_mem_gb()
+    if (memory := _memory(gpu_mem_gb, cpu_mem_gb)) is None:
+        return None
+    gpu_mem, cpu_mem = memory[2:]
     seq_len = grpo.prompt_len + completion
     try:
         setup = run_setup(model_config, engine, cfg, seq_len, world_size, pretrained, savers)
         stats = model_stats(model_config, "model", lora=getattr(engine, "lora", None))
     except (UserError, ValueError, KeyError, AttributeError):
         return None
-    cpu_mem = cpu_mem_gb * GiB if cpu_mem_gb else None
-    return generation_rows(stats, replace(setup, grpo=grpo), gpu_mem_gb * GiB, cpu_mem, most)
+    return generation_rows(stats, replace(setup, grpo=grpo), gpu_mem, cpu_mem, most)
+
+
+def _memory(
+    gpu_mem_gb: float | None, cpu_mem_gb: float | None
+) -> tuple[float, float | None, float, float | None] | None:
+    """The card's and host's GiB (detected where None) and bytes; None without a card (nothing to fit)."""
+    if gpu_mem_gb is None:
+        gpu_mem_gb = detected_gpu_mem_gb()
+        if gpu_mem_gb is None:
+            return None
+    if cpu_mem_gb is None:
+        cpu_mem_gb = detected_cpu_mem_gb()
+    return gpu_mem_gb, cpu_mem_gb, gpu_mem_gb * GiB, cpu_mem_gb * GiB if cpu_mem_gb else None
 
 
 def _micro_text(sequences: int, rows_per_sample: int) -> str:
