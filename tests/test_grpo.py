@@ -534,3 +534,32 @@ def test_a_reward_file_in_trls_style_for_chat_prompts_runs_unchanged(tmp_path) -
     assert stats["rewards/with_state/mean"] == pytest.approx(0.5) and stats["step_seen"] == 12.0
     (line,) = (tmp_path / "completions.jsonl").read_text().splitlines()
     assert [s["chars"] for s in json.loads(line)["samples"]] == [3, 6]
+
+
+def test_the_grpo_examples_scorer_runs_on_a_model(rl: dict, tmp_path) -> None:
+    """``make grpo``'s before/after figure: data/grpo_example.py writes its prompts, data/prepare.py tokenizes them
+    with a model's tokenizer, and ``--score`` prints that model's held-out mean reward (greedy, one batched call)."""
+    import subprocess
+    import sys
+
+    from tests.conftest import REPO, cpu_env
+
+    def run(*args: str) -> str:
+        proc = subprocess.run([sys.executable, *args], cwd=REPO, env=cpu_env(), capture_output=True, text=True)
+        assert proc.returncode == 0, proc.stderr[-3000:]
+        return proc.stdout
+
+    run("data/grpo_example.py", "--out", str(tmp_path / "g.jsonl"))
+    prep = ["--format", "prompts", "--tokenizer", str(rl["model"]), "--seq-len", "96", "--max-completion-length", "8"]
+    run(
+        "data/prepare.py",
+        "--input",
+        str(tmp_path / "g.jsonl"),
+        *prep,
+        "--val-fraction",
+        "0.02",
+        "--out",
+        str(tmp_path / "d"),
+    )
+    out = run("data/grpo_example.py", "--score", str(rl["model"]), "--data", str(tmp_path / "d"))
+    assert "held-out mean reward" in out and "(greedy)" in out, out
