@@ -55,8 +55,10 @@ def test_top_p_keeps_every_draw_in_the_nucleus(model: torch.nn.Module) -> None:
 def test_continuous_batching_gives_each_row_a_completion() -> None:
     """``--generation-backend continuous`` (Transformers' ``generate_batch``): one completion per row in the rows'
     order, each at most the limit and cut at its end-of-sequence token; greedy equals the generate backend's greedy
-    (the same model, no sampling), which pins the rows' order. Run in its own process (tests/helpers/
-    continuous_check.py): its scheduler thread once took a pytest worker down with it on CI."""
+    (the same model, no sampling), which pins the rows' order; the paged cache holds what the rows need (a page
+    each here), not what Transformers would size from the free memory (14 GB of host RAM: CI's worker was killed
+    for it). Run in its own process (tests/helpers/continuous_check.py), so that a regression fails this test
+    instead of taking a pytest worker down."""
     import json
     import sys
 
@@ -68,6 +70,7 @@ def test_continuous_batching_gives_each_row_a_completion() -> None:
     sampled = out["sampled"]
     assert len(sampled) == 6 and all(0 < len(c) <= 6 and EOS not in c[:-1] for c in sampled)
     assert out["greedy"] == out["generate"] and len(out["greedy"]) == 3
+    assert out["pages"] == 3  # three rows of at most 11 + 6 tokens: one 256-token page each
 
 
 def test_top_k_one_is_greedy_and_every_end_token_stops_a_row(model: torch.nn.Module) -> None:

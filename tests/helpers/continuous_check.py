@@ -24,11 +24,9 @@ def main() -> None:
     sampler = ContinuousBatching(6, (EOS,), 0)
     sampled = sampler.sample(model, [p for p in batch for _ in range(2)], list(range(6)))
     greedy = sampler.sample(model, batch, None)
-    print(
-        json.dumps(
-            {"sampled": sampled, "greedy": greedy, "generate": HFGenerate(6, (EOS,), 0).sample(model, batch, None)}
-        )
-    )
+    generate = HFGenerate(6, (EOS,), 0).sample(model, batch, None)
+    pages = sampler.paged_cache([p.tolist() for p in batch]).num_blocks
+    print(json.dumps({"sampled": sampled, "greedy": greedy, "generate": generate, "pages": pages}))
 
 
 if __name__ == "__main__":
