@@ -21,11 +21,28 @@ SEQ_LEN = 2048
 DOCS = [REPO / "README.md", *sorted((REPO / "docs").glob("*.md"))]
 
 
+def shell_blocks(text: str) -> list[str]:
+    """The bodies of the fenced blocks tagged bash or sh (or untagged), fences paired in order: a closing fence is
+    never read as the opening of a block of the prose after it."""
+    blocks, lines, language = [], None, None
+    for line in text.splitlines():
+        if line.startswith("```"):
+            if lines is None:
+                lines, language = [], line[3:].strip()
+            else:
+                if language in ("", "bash", "sh"):
+                    blocks.append("\n".join(lines) + "\n")
+                lines = None
+        elif lines is not None:
+            lines.append(line)
+    return blocks
+
+
 def train_commands() -> list[tuple[str, list[str]]]:
     """(where, train.py's arguments) for each command in a shell block that trains a real checkpoint."""
     found = []
     for doc in DOCS:
-        for block in re.findall(r"```(?:bash|sh)?\n(.*?)```", doc.read_text(), re.S):
+        for block in shell_blocks(doc.read_text()):
             for line in re.sub(r"\\\n\s*", " ", block).splitlines():
                 if "train.py" not in line:
                     continue
