@@ -2,7 +2,9 @@
 
 from __future__ import annotations
 
+import os
 import re
+import sys
 
 _CONTROL = re.compile(r"[\x00-\x1f\x7f]")
 
@@ -23,3 +25,9 @@ class UserError(Exception):
     def __init__(self, where: str, problem: str, fix: str) -> None:
         self.where, self.problem, self.fix = one_line(where), one_line(problem), one_line(fix)
         super().__init__(f"{self.where}: {self.problem}. Fix: {self.fix}")
+
+
+def warn(message: str) -> None:
+    """One warning line on stderr, from rank 0 only (the launcher starts every rank with the same input)."""
+    if os.environ.get("RANK", "0") == "0":
+        print(f"warning: {message}", file=sys.stderr, flush=True)

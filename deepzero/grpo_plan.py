@@ -4,14 +4,12 @@
 from __future__ import annotations
 
 import dataclasses
-import os
-import sys
 from pathlib import Path
 from typing import Any
 
 from deepzero.args import TrainArgs, generation_kwargs
 from deepzero.dsconfig import BatchMath
-from deepzero.errors import UserError
+from deepzero.errors import UserError, warn
 from deepzero.losses.grpo import GRPOSettings
 
 GRPO_LR = 1e-6
@@ -26,13 +24,11 @@ def completion_limit(args: TrainArgs, meta: dict[str, Any]) -> int:
     data = meta.get("max_completion_length")
     if args.max_completion_length is None:
         return int(data or 256)
-    if data and int(data) != args.max_completion_length and os.environ.get("RANK", "0") == "0":
-        print(
-            f"warning: --max-completion-length {args.max_completion_length} differs from the data's"
+    if data and int(data) != args.max_completion_length:
+        warn(
+            f"--max-completion-length {args.max_completion_length} differs from the data's"
             f" {data} ({args.data}/meta.json); --reward soft_overlong keeps the data's. Fix: drop the flag to"
-            " use the data's, or prepare the data with that --max-completion-length",
-            file=sys.stderr,
-            flush=True,
+            " use the data's, or prepare the data with that --max-completion-length"
         )
     return args.max_completion_length
 
@@ -74,17 +70,11 @@ def plan(args: TrainArgs, meta: dict[str, Any], config: Any) -> tuple[GRPOSettin
         reference=("adapters-off" if lora else "frozen-copy") if beta else "none",
     )
     settings.check()
-    if (
-        settings.importance_sampling_level == "sequence"
-        and settings.loss_type != "grpo"
-        and os.environ.get("RANK", "0") == "0"
-    ):
-        print(
-            f"warning: --importance-sampling-level sequence with --loss-type {settings.loss_type} sums per-token"
-            " terms, weighting each completion by its length (TRL says so too). Fix: --loss-type grpo for GSPO's own"
-            " per-sequence objective",
-            file=sys.stderr,
-            flush=True,
+    if settings.importance_sampling_level == "sequence" and settings.loss_type != "grpo":
+        warn(
+            f"--importance-sampling-level sequence with --loss-type {settings.loss_type} sums per-token terms,"
+            " weighting each completion by its length (TRL says so too). Fix: --loss-type grpo for GSPO's own"
+            " per-sequence objective"
         )
     longest = int(meta.get("max_prompt_len", 0)) + settings.max_completion_length
     if longest > config.max_position_embeddings:

@@ -9,7 +9,6 @@ from __future__ import annotations
 import dataclasses
 import errno
 import os
-import sys
 import tempfile
 from dataclasses import dataclass, field
 from functools import partial
@@ -39,7 +38,7 @@ from deepzero.data import PackedDataset, PreferenceDataset, check_enough_rows, l
 from deepzero.distributed import init_distributed
 from deepzero.engines import EngineSettings, TrainEngine
 from deepzero.engines.zero import local_values
-from deepzero.errors import UserError
+from deepzero.errors import UserError, warn
 from deepzero.flops import flops_per_token, peak_tflops, routed_experts
 from deepzero.losses.objectives import PREFERENCE_KEYS, PREFERENCE_SECTION, PreferenceSettings, choose_preference
 from deepzero.memory_savers import MemorySavers
@@ -542,9 +541,3 @@ def grad_scale(engine: TrainEngine, accum: int) -> float:
     """What the engine multiplies each micro-batch's loss by before backward: 1/accumulation steps (DeepSpeed's
     ``engine.backward``, the layer split) × the fp16 loss scale (a host float: reading it waits for nothing)."""
     return (engine.loss_scale() or 1.0) * getattr(engine, "gradient_factor", 1.0) / accum  # ZeRO-3 under SP: N
-
-
-def warn(message: str) -> None:
-    """One warning line on stderr, from rank 0 only (the launcher starts every rank with the same input)."""
-    if os.environ.get("RANK", "0") == "0":
-        print(f"warning: {message}", file=sys.stderr, flush=True)
