@@ -166,11 +166,12 @@ def linear_names(model: torch.nn.Module) -> list[str]:
 
 def expert_param_names(model: torch.nn.Module) -> list[str]:
     """Full names of the routed experts' fused 3-D parameters (empty for dense models)."""
-    return [
-        name
-        for name, p in model.named_parameters()
-        if any(_matches(name, t) for t in EXPERT_PARAMS) and len(getattr(p, "ds_shape", p.shape)) == 3
-    ]
+    return [name for name, p in model.named_parameters() if is_fused_expert(name, p)]
+
+
+def is_fused_expert(name: str, param: torch.Tensor) -> bool:
+    """Whether the parameter ``name`` is a routed-experts' fused 3-D tensor (its full shape under ZeRO-3)."""
+    return any(_matches(name, t) for t in EXPERT_PARAMS) and len(getattr(param, "ds_shape", param.shape)) == 3
 
 
 def _matches(name: str, target: str) -> bool:

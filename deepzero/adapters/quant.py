@@ -30,6 +30,7 @@ from typing import Any
 import torch
 
 from deepzero import modeling
+from deepzero.adapters.lora import is_fused_expert
 from deepzero.adapters.merge import Adapters, MergedExport, export_merged
 from deepzero.distributed import while_one_rank_works
 from deepzero.errors import UserError, first_line
@@ -249,18 +250,16 @@ def is_packed(param: torch.Tensor) -> bool:
 
 PACKED_EXPERTS = "deepzero_packed_experts"
 """Attribute set on the parameter that holds a fused expert tensor's NF4 codes (``quantise_experts``)."""
-FUSED_EXPERTS = ("gate_up_proj", "down_proj")
-"""The routed experts' fused 3-D parameters in Transformers 5 (``mlp.experts``), which its 4-bit loader skips."""
 
 
 def fused_experts(model: torch.nn.Module) -> list[tuple[str, torch.nn.Module, str]]:
-    """(module name, module, parameter name) of every fused 3-D routed-expert parameter still in floating point."""
+    """(module name, module, parameter name) of every fused 3-D routed-expert parameter (``lora.is_fused_expert``,
+    which Transformers' 4-bit loader skips) not quantised yet."""
     return [
         (name, module, key)
         for name, module in model.named_modules()
-        if name.endswith("experts")
-        for key in FUSED_EXPERTS
-        if isinstance(module._parameters.get(key), torch.nn.Parameter) and module._parameters[key].dim() == 3
+        for key, param in module._parameters.items()
+        if param is not None and is_fused_expert(f"{name}.{key}", param)
     ]
 
 
