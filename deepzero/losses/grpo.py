@@ -304,9 +304,9 @@ class GRPO:
         self.timer = PhaseTimer()
         self._rollout_extremes: dict[str, list[torch.Tensor]] = {"train": [], "eval": []}
         self.tokens_generated = 0
+        """Prompt and completion tokens of this rank's training generations, the run's (TRL's ``num_tokens``)."""
         self._reward_metrics: dict[str, list[float]] = {}
         self._extra: dict[str, list[Any]] = {}
-        """Prompt and completion tokens of this rank's training generations, the run's (TRL's ``num_tokens``)."""
 
     # -- set-up -------------------------------------------------------------------------------------------------
     def attach(self, data: Any, tokenizer: Any, rewards: Any, out_dir: Path | None, model: nn.Module) -> None:
