@@ -378,7 +378,7 @@ class GRPO:
         records = [self.data.record(i) for i in index for _ in range(g)]
         texts = [self.data.prompt_text(i) for i in index for _ in range(g)]
         raw = [self.data.prompt(i) for i in index for _ in range(g)]
-        context = RewardContext(global_step=generation * s.num_iterations)  # optimizer steps done
+        context = self._reward_context(generation)
         with self.timer.phase("scoring"):
             total, per_name = self.score(
                 texts, completions, records, [i for i in index for _ in range(g)], raw, context
@@ -410,6 +410,10 @@ class GRPO:
                 if s.beta != 0.0:
                     batch["ref_logps"] = self.reference_logps(engine, batch)
         return micro
+
+    def _reward_context(self, generations: int) -> RewardContext:
+        """TRL's reward context after ``generations`` generation batches: each served ``num_iterations`` steps."""
+        return RewardContext(global_step=generations * self.settings.num_iterations)
 
     def truncated(self, completion: list[int]) -> bool:
         """Cut by the length limit: no end-of-sequence token at its end."""
@@ -479,7 +483,9 @@ class GRPO:
         records = [self.data_eval.record(i) for i in index]
         texts = [self.data_eval.prompt_text(i) for i in index]
         raw = [self.data_eval.prompt(i) for i in index]
-        total, per_name = self.score(texts, completions, records, index, raw, RewardContext(self.seeds.generations))
+        total, per_name = self.score(
+            texts, completions, records, index, raw, self._reward_context(self.seeds.generations)
+        )
         device = batch["prompt_ids"].device
         self._note_rollout("eval", total.to(device), {k: v.to(device) for k, v in per_name.items()}, completions, 1)
         return -torch.nansum(total).to(device), torch.tensor(float(len(completions)), device=device)
