@@ -85,7 +85,7 @@ def generation(
     model: Any, prompts: list[torch.Tensor], eos: tuple[int, ...], pad: int, new_tokens: int, repeats: int
 ) -> dict[str, Any]:
     """Part 1: the four ways, interleaved; completion tokens per second of each repetition."""
-    from deepzero.generation import ContinuousBatching, GroupSeeds, HFGenerate, cut_at_eos, left_padded
+    from deepzero.rollout.generation import ContinuousBatching, GroupSeeds, HFGenerate, cut_at_eos, left_padded
 
     rows = [p for p in prompts for _ in range(G)]
     seeds = [s for i in range(len(prompts)) for s in GroupSeeds(0).rows(0, i, G)]

@@ -56,8 +56,8 @@ def score(model_dir: str, data_dir: str, max_completion_length: int | None) -> t
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
     from deepzero.data import load_meta, open_split
-    from deepzero.generation import HFGenerate
-    from deepzero.rewards import parse_rewards
+    from deepzero.rollout.generation import HFGenerate
+    from deepzero.rollout.rewards import parse_rewards
 
     meta = load_meta(data_dir)
     length = max_completion_length or int(meta["max_completion_length"])

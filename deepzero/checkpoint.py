@@ -75,7 +75,7 @@ def tag_for(step: int) -> str:
     return f"step{step:08d}"
 
 
-def _write_atomic(path: Path, text: str) -> None:
+def write_atomic(path: Path, text: str) -> None:
     tmp = path.with_name(f".{path.name}.tmp")
     with tmp.open("w") as f:
         f.write(text)
@@ -139,7 +139,7 @@ def _publish(ckpt_dir: Path, partial: Path, tag: str, keep_last: int) -> None:
         else:
             os.replace(partial, final)
         fsync_dir(ckpt_dir)  # the rename is durable before 'latest' names it
-        _write_atomic(ckpt_dir / "latest", tag)
+        write_atomic(ckpt_dir / "latest", tag)
         fsync_dir(ckpt_dir)
     except OSError:
         shutil.rmtree(partial, ignore_errors=True)
@@ -183,7 +183,7 @@ def check_shared_storage(ckpt_dir: Path, ds: dict[str, Any], config_path: str) -
     if rank == 0:
         try:
             ckpt_dir.mkdir(parents=True, exist_ok=True)
-            _write_atomic(marker, f"{token}\n")
+            write_atomic(marker, f"{token}\n")
         except OSError:
             token = -1  # check_writable passed moments ago; whatever it is, no rank can publish
     token = broadcast_int(token)

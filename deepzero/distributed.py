@@ -5,6 +5,7 @@ from __future__ import annotations
 import os
 import socket
 import sys
+import time
 from collections.abc import Iterator, Sequence
 from contextlib import contextmanager
 from datetime import timedelta
@@ -16,6 +17,7 @@ import torch
 import torch.distributed as dist
 from deepspeed.accelerator import get_accelerator
 
+from deepzero.errors import UserError
 from deepzero.quiet import printed_lines_dropped
 
 SHM_DIR = Path("/dev/shm")
@@ -120,6 +122,25 @@ def ranks_where(flag: bool) -> list[int]:
     """The global ranks whose ``flag`` is true, the same list on every rank (one all-reduce of world-size bytes)."""
     flags = every_ranks_row(torch.tensor([int(flag)], dtype=torch.int32))[:, 0]
     return [r for r, f in enumerate(flags.tolist()) if f]
+
+
+ERROR_EXIT_GRACE_S = 5.0
+
+
+def report_user_error(err: UserError) -> int:
+    """An entry point's bad input: its one line on stderr (rank 0's, or any rank's that reaches it), exit code 2."""
+    if os.environ.get("RANK", "0") == "0" or dist.is_initialized():
+        prefix = f"[rank {dist.get_rank()}] " if dist.is_initialized() and dist.get_rank() else ""
+        # One write of the whole line: print() writes the text and its newline separately, and ranks sharing
+        # the launcher's stderr then interleave ("...(NFS, Lustre, ...)[rank 2] error: ...\n\n", seen in CI).
+        sys.stderr.write(f"{prefix}error: {err}\n")
+        sys.stderr.flush()
+    if os.environ.get("RANK", "0") != "0":
+        # The launcher kills every rank once one exits non-zero: wait, so that rank 0 reaching the same error a
+        # moment later still prints its line instead of being killed before it does (rank 0 exiting first ends
+        # the job at once).
+        time.sleep(ERROR_EXIT_GRACE_S)
+    return 2
 
 
 def exit_process(code: int) -> NoReturn:

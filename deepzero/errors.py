@@ -27,6 +27,16 @@ class UserError(Exception):
         super().__init__(f"{self.where}: {self.problem}. Fix: {self.fix}")
 
 
+class RaisedElsewhere(UserError):
+    """Another rank's :class:`UserError`, by its line (ranks gather the first one and every rank raises it)."""
+
+    def __init__(self, line: str) -> None:
+        Exception.__init__(self, line)
+
+    def __str__(self) -> str:
+        return str(self.args[0])
+
+
 def warn(message: str) -> None:
     """One warning line on stderr, from rank 0 only (the launcher starts every rank with the same input)."""
     if os.environ.get("RANK", "0") == "0":

@@ -84,7 +84,7 @@ def plan(args: TrainArgs, meta: dict[str, Any], config: Any) -> tuple[GRPOSettin
             f" exceed the model's max_position_embeddings {config.max_position_embeddings}",
             "pass a smaller --max-completion-length",
         )
-    from deepzero.rewards import parse_rewards
+    from deepzero.rollout.rewards import parse_rewards
 
     rewards = parse_rewards(list(args.reward), int(meta.get("max_completion_length") or settings.max_completion_length))
     rewards.check_fields(meta.get("record_fields", []), args.data)

@@ -71,7 +71,7 @@ class RunPlan:
     grpo: Any = None
     """GRPO's settings for a prompts data folder (``deepzero.losses.grpo.GRPOSettings``; None: no GRPO)."""
     rewards: Any = None
-    """GRPO's rewards (``deepzero.rewards.RewardSet``), parsed and imported at plan time."""
+    """GRPO's rewards (``deepzero.rollout.rewards.RewardSet``), parsed and imported at plan time."""
     four_bit: quant.FourBit | None = None
     """The 4-bit base under the LoRA adapters (--load-in-4bit; None: the base in the training precision)."""
 

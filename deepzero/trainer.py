@@ -8,7 +8,6 @@ import contextlib
 import json
 import math
 import os
-import sys
 import time
 from collections.abc import Callable, Iterable, Iterator
 from pathlib import Path
@@ -21,7 +20,7 @@ from tqdm.auto import tqdm
 from deepzero import checkpoint, quiet, report, universal
 from deepzero.args import parse_args
 from deepzero.data import GlobalBatchSampler, make_eval_loader, make_train_loader
-from deepzero.distributed import all_reduce_max, exit_process, mean_and_max
+from deepzero.distributed import all_reduce_max, exit_process, mean_and_max, report_user_error
 from deepzero.engines.base import Batch, to_device
 from deepzero.errors import UserError
 from deepzero.metrics import peak_memory_gb
@@ -29,7 +28,6 @@ from deepzero.moe_balance import padding_id
 from deepzero.preemption import StopRequest
 from deepzero.run import Run, setup
 
-ERROR_EXIT_GRACE_S = 5.0
 ROW_TRACE_ENV = "DEEPZERO_ROW_TRACE"
 """A folder: every rank records the row ids of its micro-batches there (see ``traced_rows``)."""
 
@@ -47,18 +45,7 @@ def main(argv: list[str] | None = None) -> int:
         if dist.is_initialized() and dist.get_rank() == 0:
             print(f"preempted: {stop}", flush=True)
     except UserError as err:
-        if os.environ.get("RANK", "0") == "0" or dist.is_initialized():
-            prefix = f"[rank {dist.get_rank()}] " if dist.is_initialized() and dist.get_rank() else ""
-            # One write of the whole line: print() writes the text and its newline separately, and ranks sharing
-            # the launcher's stderr then interleave ("...(NFS, Lustre, ...)[rank 2] error: ...\n\n", seen in CI).
-            sys.stderr.write(f"{prefix}error: {err}\n")
-            sys.stderr.flush()
-        if os.environ.get("RANK", "0") != "0":
-            # The launcher kills every rank once one exits non-zero: wait, so that rank 0 reaching the same error a
-            # moment later still prints its line instead of being killed before it does (rank 0 exiting first ends
-            # the job at once).
-            time.sleep(ERROR_EXIT_GRACE_S)
-        return 2
+        return report_user_error(err)
     finally:  # on every way out: the entry point ends without interpreter shutdown (exit_process)
         if run is not None:
             run.sink.close()

@@ -24,7 +24,7 @@ from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
-from deepzero.checkpoint import _write_atomic, latest_tag
+from deepzero.checkpoint import latest_tag, write_atomic
 from deepzero.errors import UserError
 
 SUFFIX = ".universal"
@@ -89,8 +89,8 @@ def convert(ckpt_dir: Path, tag: str | None = None, out_dir: Path | None = None,
     for rng in src.glob("rng_rank*.pt"):  # ranks that exist in both worlds keep their RNG streams
         shutil.copy2(rng, partial / rng.name)
     os.replace(partial, final)
-    _write_atomic(out_dir / "latest_universal", final.name)
-    _write_atomic(out_dir / "latest", final.name)
+    write_atomic(out_dir / "latest_universal", final.name)
+    write_atomic(out_dir / "latest", final.name)
     return final
 
 

@@ -1,4 +1,4 @@
-"""GRPO's sampler (deepzero.generation): a rank's rows in one batched ``generate`` call, each row drawn from its own
+"""GRPO's sampler (deepzero.rollout.generation): a rank's rows in one batched ``generate`` call, each row drawn from its own
 stream, so that a group's completions do not depend on the rows generated beside it (in process, tiny models)."""
 
 from __future__ import annotations
@@ -7,8 +7,8 @@ import pytest
 import torch
 from transformers import AutoModelForCausalLM
 
-from deepzero.generation import GroupSeeds, HFGenerate, cut_at_eos
 from deepzero.presets import get_preset
+from deepzero.rollout.generation import GroupSeeds, HFGenerate, cut_at_eos
 
 VOCAB = 300
 EOS = 2
@@ -88,7 +88,7 @@ def test_top_k_one_is_greedy_and_every_end_token_stops_a_row(model: torch.nn.Mod
 def test_the_end_tokens_are_the_tokenizers_and_the_generation_configs() -> None:
     from types import SimpleNamespace
 
-    from deepzero.losses.grpo import eos_ids
+    from deepzero.rollout.generation import eos_ids
 
     model = SimpleNamespace(generation_config=SimpleNamespace(eos_token_id=[7, 2, 9]))
     assert eos_ids(SimpleNamespace(eos_token_id=2), model) == (2, 7, 9)

@@ -511,7 +511,7 @@ def test_a_reward_file_in_trls_style_for_chat_prompts_runs_unchanged(tmp_path) -
     ``log_extra`` (a column of completions.jsonl) and ``log_metric`` (a metric of the window); a reward file written
     for TRL's GRPOTrainer (its docs' ``reward_len``) scores without a change."""
     from deepzero.losses.grpo import GRPO
-    from deepzero.rewards import parse_rewards
+    from deepzero.rollout.rewards import parse_rewards
 
     (tmp_path / "r.py").write_text(TRL_STYLE_REWARDS)
     rewards = parse_rewards([f"{tmp_path}/r.py:reward_len", f"{tmp_path}/r.py:with_state"], 8)

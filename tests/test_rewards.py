@@ -1,4 +1,4 @@
-"""GRPO's rewards (deepzero/rewards.py): the built-ins are TRL 1.16's own functions called as GRPOTrainer calls
+"""GRPO's rewards (deepzero/rollout/rewards.py): the built-ins are TRL 1.16's own functions called as GRPOTrainer calls
 them, ``exact``, a user's file reading an extra column, TRL's weighting and None rule, and one-line errors."""
 
 from __future__ import annotations
@@ -16,7 +16,7 @@ from trl.rewards import (
 )
 
 from deepzero.errors import UserError
-from deepzero.rewards import final_answer, parse_rewards
+from deepzero.rollout.rewards import final_answer, parse_rewards
 
 COMPLETIONS = [
     "<think>\n2 + 2 is 4\n</think>\nThe answer is \\boxed{4}",

@@ -6,7 +6,7 @@
 A record's ``prompt`` is a string (tokenized as it is, after the tokenizer's own prefix: ``<bos>`` for DeepSeek's,
 as TRL's ``GRPOTrainer`` tokenizes a plain prompt) or a message list (rendered with the tokenizer's chat template and
 ``add_generation_prompt=True``; the prefix is added unless the template wrote it). Every other field (``answer``,
-``tests``, ...) is kept per record and handed to the reward functions (:mod:`deepzero.rewards`), as TRL passes the
+``tests``, ...) is kept per record and handed to the reward functions (:mod:`deepzero.rollout.rewards`), as TRL passes the
 dataset's columns. ``--seq-len`` caps prompt + completion: a prompt longer than ``max_prompt_len = seq_len -
 max_completion_length`` tokens is a bad record.
 

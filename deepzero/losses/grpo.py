@@ -2,8 +2,8 @@
 TRL 1.16's ``GRPOTrainer`` loss over them (``trl/trainer/grpo_trainer.py``, ``_compute_loss``).
 
 The engine calls ``rollout`` for a step's micro-batches: one prompt batch per rank (``sampling``: ``micro × accum
-/ G`` prompts), ``G`` completions of each prompt (``deepzero.generation``, one group per rank), rewards
-(``deepzero.rewards``), advantages ``(r − mean_group) / (std_group + 1e-4)`` (``--scale-rewards``), and the
+/ G`` prompts), ``G`` completions of each prompt (``deepzero.rollout.generation``, one group per rank), rewards
+(``deepzero.rollout.rewards``), advantages ``(r − mean_group) / (std_group + 1e-4)`` (``--scale-rewards``), and the
 completion rows: the prompt left-padded, the completion right-padded, targets only on completion tokens. With
 ``--num-iterations`` μ > 1 the same rows serve μ optimizer steps, their log-probs at generation kept as "old".
 
@@ -30,11 +30,11 @@ import torch.distributed as dist
 from torch import nn
 
 from deepzero.data import IGNORE_INDEX
-from deepzero.errors import UserError
-from deepzero.generation import BACKENDS, CompletionSampler, GroupSeeds
+from deepzero.errors import RaisedElsewhere, UserError
 from deepzero.losses.lm import loss_normalizer
 from deepzero.losses.tiled import has_tiled_loss
-from deepzero.rewards import RewardContext
+from deepzero.rollout.generation import BACKENDS, CompletionSampler, GroupSeeds, eos_ids
+from deepzero.rollout.rewards import RewardContext
 
 LOSS_TYPES = ("dapo", "grpo", "dr_grpo", "bnpo")
 SCALES = ("group", "batch", "none")
@@ -86,7 +86,7 @@ class GRPOSettings:
     generation_batch_size: int | None = None
     """Rows per generate call (None: all of a rank's rows at once)."""
     generation_backend: str = "generate"
-    """``deepzero.generation.BACKENDS``: Transformers' generate, or its continuous batching."""
+    """``deepzero.rollout.generation.BACKENDS``: Transformers' generate, or its continuous batching."""
 
     @property
     def clip_high(self) -> float:
@@ -211,15 +211,6 @@ def aggregate(s: GRPOSettings, loss: torch.Tensor, mask: torch.Tensor, normalize
     if s.loss_type == "dr_grpo":
         return (loss * mask).sum() / (loss.shape[0] * s.max_completion_length)
     return (loss * mask).sum() / normalizer
-
-
-def eos_ids(tokenizer: Any, model: nn.Module) -> tuple[int, ...]:
-    """The tokens that end a completion, as TRL 1.16 takes them: the tokenizer's end-of-sequence token and the
-    model's generation config's (Llama-3 and Qwen2.5-Instruct checkpoints name more than one)."""
-    config = getattr(_module(model), "generation_config", None)
-    listed = getattr(config, "eos_token_id", None)
-    listed = [] if listed is None else [listed] if isinstance(listed, int) else list(listed)
-    return tuple(dict.fromkeys([tokenizer.eos_token_id, *listed]))
 
 
 def loss_stats(
@@ -451,7 +442,7 @@ class GRPO:
             errors = [None] * dist.get_world_size()
             dist.all_gather_object(errors, error)
         if first := next((e for e in errors if e), None):
-            raise _Raised(first)
+            raise RaisedElsewhere(first)
         return total.float(), {k: v.float() for k, v in per_name.items()}
 
     def normalizer(self, micro: list[Batch], dp_size: int, group: Any = None) -> torch.Tensor:
@@ -668,16 +659,6 @@ class GRPO:
 
     def to_json(self) -> dict[str, Any]:
         return {"kind": "grpo", **asdict(self.settings)}
-
-
-class _Raised(UserError):
-    """A reward's error line, as raised on the rank where the reward failed (every rank raises it)."""
-
-    def __init__(self, line: str) -> None:
-        Exception.__init__(self, line)
-
-    def __str__(self) -> str:
-        return str(self.args[0])
 
 
 def _module(engine: Any) -> nn.Module:

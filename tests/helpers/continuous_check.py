@@ -10,8 +10,8 @@ import json
 import torch
 from transformers import AutoModelForCausalLM
 
-from deepzero.generation import ContinuousBatching, HFGenerate
 from deepzero.presets import get_preset
+from deepzero.rollout.generation import ContinuousBatching, HFGenerate
 
 VOCAB, EOS = 300, 2
 

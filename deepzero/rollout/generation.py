@@ -222,6 +222,15 @@ BACKENDS = {"generate": HFGenerate, "continuous": ContinuousBatching}
 """``--generation-backend``: the samplers by name."""
 
 
+def eos_ids(tokenizer: Any, model: Any) -> tuple[int, ...]:
+    """The tokens that end a completion, as TRL 1.16 takes them: the tokenizer's end-of-sequence token and the
+    model's generation config's (Llama-3 and Qwen2.5-Instruct checkpoints name more than one)."""
+    config = getattr(getattr(model, "module", model), "generation_config", None)
+    listed = getattr(config, "eos_token_id", None)
+    listed = [] if listed is None else [listed] if isinstance(listed, int) else list(listed)
+    return tuple(dict.fromkeys([tokenizer.eos_token_id, *listed]))
+
+
 def left_padded(prompts: list[torch.Tensor], pad_id: int) -> tuple[torch.Tensor, torch.Tensor]:
     """``prompts`` (1-D) as one left-padded batch and its attention mask."""
     width = max(len(p) for p in prompts)

@@ -68,11 +68,17 @@ def final_answer(text: str) -> str:
     return lines[-1] if lines else ""
 
 
-def exact_reward(completions: list[Any], answer: list[Any], **columns: Any) -> list[float]:
+def exact_reward(
+    completions: list[Any], answer: list[Any], log_extra: Callable[[str, list], None] | None = None, **columns: Any
+) -> list[float]:
     """1.0 where :func:`final_answer` of the completion equals that of the record's ``answer`` (as numbers when both
-    are numbers: ``72.0`` equals ``72``), else 0.0."""
+    are numbers: ``72.0`` equals ``72``), else 0.0; logs the answers as ``answer_parsed`` (as TRL's accuracy rewards
+    do: cons@k votes on it)."""
     texts = [c[-1]["content"] if isinstance(c, list) else c for c in completions]  # a conversational prompt's
-    return [float(_same(final_answer(c), final_answer(str(a)))) for c, a in zip(texts, answer, strict=True)]
+    answers = [final_answer(c) for c in texts]
+    if log_extra is not None:
+        log_extra("answer_parsed", answers)
+    return [float(_same(a, final_answer(str(gold)))) for a, gold in zip(answers, answer, strict=True)]
 
 
 def _same(a: str, b: str) -> bool:

@@ -1,0 +1,113 @@
+"""What k samples of a prompt say about the model: pass@k, cons@k, and the filter that keeps samples.
+
+- **pass@k** is the unbiased estimator of Chen et al. 2021 (HumanEval): from ``n`` samples of which ``c`` are
+  correct, the chance that at least one of ``k`` drawn without replacement is correct, ``1 − C(n−c, k) / C(n, k)``.
+  pass@1 is then ``c / n``, DeepSeek-R1's "pass@1 over k samples" (the mean share of correct samples).
+- **cons@k** (majority vote, R1's cons@64): the answer given most often among the samples (the answer a reward
+  extracts, logged as ``answer_parsed`` as TRL's accuracy rewards do) decides; a tie goes to the answer seen first,
+  as lighteval's ``maj@k`` (``Counter.most_common``). Samples without an answer do not vote.
+- **A condition** (``--keep``, ``--correct``): ``NAME OP NUMBER`` with ``NAME`` ``reward`` (the weighted total)
+  or a reward's name, ``OP`` one of ``>= > <= < == !=``.
+"""
+
+from __future__ import annotations
+
+import math
+import operator
+import re
+from collections import Counter
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+
+from deepzero.errors import UserError
+
+NO_ANSWER = ("[unparseable]", "[skipped]", "")
+"""``answer_parsed`` values that are no answer (TRL's accuracy rewards log the first two)."""
+
+_OPS: dict[str, Callable[[float, float], bool]] = {
+    ">=": operator.ge,
+    "<=": operator.le,
+    "==": operator.eq,
+    "!=": operator.ne,
+    ">": operator.gt,
+    "<": operator.lt,
+}
+_CONDITION = re.compile(r"^\s*([A-Za-z_][\w.]*)\s*(>=|<=|==|!=|>|<)\s*(-?(?:\d+\.?\d*|\.\d+)(?:e-?\d+)?)\s*$")
+
+
+def pass_at_k(n: int, c: int, k: int) -> float:
+    """The unbiased pass@k of ``n`` samples with ``c`` correct (``k`` ≤ ``n``), as the Codex paper computes it
+    (a product, no large binomials)."""
+    if not 0 <= c <= n or not 1 <= k <= n:
+        raise ValueError(f"pass@k needs 0 <= c <= n and 1 <= k <= n, got n={n} c={c} k={k}")
+    if n - c < k:
+        return 1.0
+    return 1.0 - math.prod(1.0 - k / i for i in range(n - c + 1, n + 1))
+
+
+def majority(answers: Sequence[str | None]) -> str | None:
+    """The most frequent answer (ties: the first seen); None when no sample has one."""
+    votes = Counter(a for a in answers if a is not None and a not in NO_ANSWER)
+    return votes.most_common(1)[0][0] if votes else None
+
+
+def consensus_correct(answers: Sequence[str | None], correct: Sequence[bool | None]) -> bool:
+    """cons@k of one prompt: whether a sample giving the majority answer is correct."""
+    top = majority(answers)
+    return top is not None and any(a == top and ok for a, ok in zip(answers, correct, strict=True))
+
+
+@dataclass(frozen=True)
+class Condition:
+    """``NAME OP NUMBER`` on a sample's rewards (``reward`` is the weighted total)."""
+
+    name: str
+    op: str
+    value: float
+
+    @classmethod
+    def parse(cls, text: str, names: Sequence[str], flag: str) -> Condition:
+        """``text`` checked against the run's reward ``names``; a bad one is one line naming ``flag``."""
+        match = _CONDITION.match(text)
+        if not match:
+            raise UserError(f"{flag} {text}", "is not NAME OP NUMBER", f"write e.g. {flag} 'reward>=1'")
+        name, op, value = match.group(1), match.group(2), float(match.group(3))
+        if name != "reward" and name not in names:
+            known = ", ".join(["reward", *names])
+            raise UserError(f"{flag} {text}", f"'{name}' is no reward of this run", f"name one of {known}")
+        return cls(name, op, value)
+
+    def __call__(self, rewards: dict[str, float | None]) -> bool:
+        """True when the sample's value passes; a reward that gave None passes nothing."""
+        value = rewards.get(self.name)
+        return value is not None and not math.isnan(value) and _OPS[self.op](value, self.value)
+
+    def __str__(self) -> str:
+        return f"{self.name}{self.op}{self.value:g}"
+
+
+def summarise(lines: Sequence[dict], ks: Sequence[int]) -> dict[str, float | int | None]:
+    """The summary over per-prompt lines (``correct``: one bool or None per sample; ``answers``; ``rewards``;
+    ``lengths``; ``truncated``): prompts with no scored sample are counted, not averaged."""
+    scored = [line for line in lines if any(ok is not None for ok in line["correct"])]
+    out: dict[str, float | int | None] = {"prompts": len(lines), "prompts_unscored": len(lines) - len(scored)}
+    samples = min((len(line["correct"]) for line in lines), default=0)
+    for k in sorted(set(ks)):
+        values = []
+        for line in scored:
+            judged = [ok for ok in line["correct"] if ok is not None]
+            if k <= len(judged):
+                values.append(pass_at_k(len(judged), sum(judged), k))
+        out[f"pass@{k}"] = sum(values) / len(values) if values else None
+    with_answers = [line for line in scored if any(a not in (None, *NO_ANSWER) for a in line["answers"])]
+    cons = [consensus_correct(line["answers"], line["correct"]) for line in scored] if with_answers else []
+    out[f"cons@{samples}"] = sum(cons) / len(cons) if cons else None
+    totals = [r for line in lines for r in line["rewards"] if r is not None and not math.isnan(r)]
+    out["mean_reward"] = sum(totals) / len(totals) if totals else None
+    lengths = [n for line in lines for n in line["lengths"]]
+    cut = [t for line in lines for t in line["truncated"]]
+    out["mean_length"] = sum(lengths) / len(lengths) if lengths else None
+    out["max_length"] = max(lengths, default=None)
+    out["truncated_share"] = sum(cut) / len(cut) if cut else None
+    out["samples_per_prompt"] = samples
+    return out

@@ -1,0 +1,13 @@
+"""Evaluate a model as DeepSeek reports R1: k samples per prompt, scored; pass@1, pass@k, cons@k.
+
+deepspeed --num_gpus=3 evaluate.py --model runs/grpo/hf --data artifacts/data/grpo_example --reward exact --out runs/grpo/eval
+python evaluate.py --help
+"""
+
+import sys
+
+from deepzero.distributed import exit_process
+from deepzero.rollout.jobs import main
+
+if __name__ == "__main__":
+    exit_process(main(sys.argv[1:], "evaluate"))
