@@ -254,6 +254,16 @@ class TrainArgs:
         default=False,
         **_help("GRPO: a completion cut by --max-completion-length takes no part in the loss (TRL's flag)."),
     )
+    num_generations_eval: int | None = field(
+        default=None, **_help("GRPO: completions per held-out prompt at each eval (TRL's; default --num-generations).")
+    )
+    eval_sampling: Literal["train", "r1", "greedy"] = field(
+        default="train",
+        **_help(
+            "GRPO's eval: train samples as training does (TRL), r1 at temperature 0.6 / top-p 0.95 (DeepSeek-R1's"
+            " pass@1, as evaluate.py), greedy one completion per prompt."
+        ),
+    )
     local_rank: int = field(default=-1, **_help("Set by the deepspeed launcher."))
 
     @property

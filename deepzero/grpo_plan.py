@@ -67,6 +67,8 @@ def plan(args: TrainArgs, meta: dict[str, Any], config: Any) -> tuple[GRPOSettin
         importance_sampling_level=args.importance_sampling_level,
         generation_batch_size=args.generation_batch_size,
         generation_backend=args.generation_backend,
+        num_generations_eval=args.num_generations_eval,
+        eval_sampling=args.eval_sampling,
         reference=("adapters-off" if lora else "frozen-copy") if beta else "none",
     )
     settings.check()

@@ -204,7 +204,8 @@ def save_if_finite(run: Run) -> bool:
 def evaluate(run: Run) -> dict[str, Any]:
     """Mean loss and perplexity (preference: rewards) over ``eval_batches`` micro-batches per data-parallel rank of a fixed sample of the
     val split (drawn with ``--seed`` from the whole split: the same rows at every eval and after a resume)."""
-    engine, micro = run.engine, run.cfg.batch.micro
+    engine = run.engine
+    micro = engine.objective.eval_micro(run.cfg.batch.micro)  # GRPO: prompts, each sampled several times
     per_round = micro * engine.dp_size  # equal batch counts on every rank: ZeRO-3 and pipeline forwards are collective
     rows = min(run.args.eval_batches * per_round, len(run.val_data) // per_round * per_round)
     loader = make_eval_loader(run.val_data, micro, engine.dp_rank, engine.dp_size, max_rows=rows, seed=run.args.seed)

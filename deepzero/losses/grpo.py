@@ -21,7 +21,7 @@ import math
 import time
 from collections.abc import Iterator
 from contextlib import contextmanager, nullcontext
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict, dataclass, field, is_dataclass, replace
 from pathlib import Path
 from typing import Any
 
@@ -33,8 +33,9 @@ from deepzero.data import IGNORE_INDEX
 from deepzero.errors import RaisedElsewhere, UserError
 from deepzero.losses.lm import loss_normalizer
 from deepzero.losses.tiled import has_tiled_loss
-from deepzero.rollout.generation import BACKENDS, CompletionSampler, GroupSeeds, eos_ids
+from deepzero.rollout.generation import BACKENDS, EVAL_GENERATION, PROTOCOLS, CompletionSampler, GroupSeeds, eos_ids
 from deepzero.rollout.rewards import RewardContext
+from deepzero.rollout.scores import summarise
 
 LOSS_TYPES = ("dapo", "grpo", "dr_grpo", "bnpo")
 SCALES = ("group", "batch", "none")
@@ -87,6 +88,17 @@ class GRPOSettings:
     """Rows per generate call (None: all of a rank's rows at once)."""
     generation_backend: str = "generate"
     """``deepzero.rollout.generation.BACKENDS``: Transformers' generate, or its continuous batching."""
+    num_generations_eval: int | None = None
+    """Completions per held-out prompt at an eval (TRL's; None: ``num_generations``)."""
+    eval_sampling: str = "train"
+    """``EVAL_SAMPLING``: the eval samples as training does (TRL), as DeepSeek-R1 reports (T 0.6, top-p 0.95), or
+    greedily (one completion per prompt)."""
+
+    @property
+    def eval_generations(self) -> int:
+        if self.eval_sampling == "greedy":
+            return 1
+        return self.num_generations if self.num_generations_eval is None else self.num_generations_eval
 
     @property
     def clip_high(self) -> float:
@@ -111,6 +123,7 @@ class GRPOSettings:
             ("--epsilon-high", self.epsilon_high is None or self.epsilon_high >= 0, "0 or more", "0.28"),
             ("--beta", math.isfinite(self.beta) and self.beta >= 0, "0 or more", "0.04"),
             ("--num-iterations", self.num_iterations >= 1, "at least 1", "1"),
+            ("--num-generations-eval", (self.num_generations_eval or 1) >= 1, "at least 1", "4"),
         ]
         for flag, ok, what, example in checks:
             if not ok:
@@ -298,6 +311,8 @@ class GRPO:
         """Prompt and completion tokens of this rank's training generations, the run's (TRL's ``num_tokens``)."""
         self._reward_metrics: dict[str, list[float]] = {}
         self._extra: dict[str, list[Any]] = {}
+        self._outcomes: list[dict[str, Any]] = []
+        self.eval_sampler: CompletionSampler | None = None
 
     # -- set-up -------------------------------------------------------------------------------------------------
     def attach(self, data: Any, tokenizer: Any, rewards: Any, out_dir: Path | None, model: nn.Module) -> None:
@@ -312,6 +327,12 @@ class GRPO:
                 s.max_completion_length, eos_ids(tokenizer, model), self.pad_id, s.temperature, s.top_p,
                 s.generation_batch_size, s.top_k, s.min_p, s.repetition_penalty, dict(s.generation_kwargs),
             )  # fmt: skip
+        self.eval_sampler = self.sampler
+        if s.eval_sampling != "train" and is_dataclass(self.sampler):
+            protocol = PROTOCOLS[s.eval_sampling]
+            self.eval_sampler = replace(
+                self.sampler, temperature=protocol["temperature"] or 1.0, top_p=protocol.get("top_p", 1.0)
+            )
         if s.reference == "frozen-copy":
             self.reference_model = copy.deepcopy(model).eval().requires_grad_(False)
 
@@ -322,6 +343,11 @@ class GRPO:
         mu = self.settings.num_iterations
         start = -(-start_step // mu) if self._buffer is not None else start_step // mu
         return micro * accum // self.settings.num_generations, 1, start
+
+    def eval_micro(self, micro: int) -> int:
+        """Held-out prompts per eval micro-batch: ``micro`` completion rows, ``eval_generations`` a prompt (TRL's
+        per-device eval batch counts completions), at least one prompt."""
+        return max(1, micro // self.settings.eval_generations)
 
     def state_dict(self) -> dict[str, Any]:
         return {"sampling": self.seeds.state_dict()}
@@ -465,21 +491,69 @@ class GRPO:
         return result
 
     def eval_sums(self, model: Any, batch: Batch) -> tuple[torch.Tensor, torch.Tensor]:
-        """Greedy completions of held-out prompts: minus their summed reward and their count (val_loss = −mean
-        reward; ``val_reward`` is logged beside)."""
-        mod = _module(model)
+        """TRL's eval loss of one micro-batch of held-out prompts and a count of 1 (``val_loss``: the mean over every
+        rank's micro-batches, as TRL's ``prediction_step``): ``eval_generations`` completions of each prompt,
+        sampled per ``eval_sampling`` from the evaluation's streams (``EVAL_GENERATION``: evaluate.py's samples of
+        the same weights), scored, their advantages and the loss at the current policy. Their pass@k and cons@k
+        (``deepzero.rollout.scores``; correct: the first reward ≥ 1) are logged beside."""
+        s, mod = self.settings, _module(model)
+        k = s.eval_generations
         ids, index = _unpadded(batch), batch["index"].tolist()
-        with _generating(model, mod):
-            completions = self.sampler.sample(mod, ids, None)
-        records = [self.data_eval.record(i) for i in index]
-        texts = [self.data_eval.prompt_text(i) for i in index]
-        raw = [self.data_eval.prompt(i) for i in index]
-        total, per_name = self.score(
-            texts, completions, records, index, raw, self._reward_context(self.seeds.generations)
+        rows = [p for p in ids for _ in range(k)]
+        seeds = (
+            None if s.eval_sampling == "greedy" else [x for i in index for x in self.seeds.rows(EVAL_GENERATION, i, k)]
         )
+        with _generating(model, mod):
+            completions = self.eval_sampler.sample(mod, rows, seeds)
+        each = [i for i in index for _ in range(k)]
+        context = self._reward_context(self.seeds.generations)
+        total, per_name = self.score(
+            [self.data_eval.prompt_text(i) for i in each], completions, [self.data_eval.record(i) for i in each],
+            each, [self.data_eval.prompt(i) for i in each], context,
+        )  # fmt: skip
         device = batch["prompt_ids"].device
-        self._note_rollout("eval", total.to(device), {k: v.to(device) for k, v in per_name.items()}, completions, 1)
-        return -torch.nansum(total).to(device), torch.tensor(float(len(completions)), device=device)
+        total, per_name = total.to(device), {name: v.to(device) for name, v in per_name.items()}
+        batch_std = self._global_std(total) if s.scale_rewards == "batch" else None
+        self._note_rollout("eval", total, per_name, completions, k)
+        self._note_outcomes(per_name, completions, context, k)
+        rows_batch = completion_rows(rows, completions, self.pad_id, device)
+        if s.mask_truncated_completions:
+            cut = torch.tensor([self.truncated(c) for c in completions], device=device)
+            rows_batch["labels"] = rows_batch["labels"].masked_fill(cut[:, None], IGNORE_INDEX)
+        rows_batch["advantages"] = advantages(total, k, s.scale_rewards, batch_std).float()
+        if s.beta != 0.0:
+            rows_batch["ref_logps"] = self.reference_logps(model, rows_batch)
+        world = dist.get_world_size() if dist.is_initialized() else 1
+        loss = self.loss(model, rows_batch, self.normalizer([rows_batch], world))
+        return loss.detach(), torch.ones((), device=device)
+
+    def _note_outcomes(self, per_name: dict, completions: list[list[int]], context: RewardContext, k: int) -> None:
+        """Each eval prompt's samples judged (the first reward ≥ 1) with the answer they give, for pass@k/cons@k."""
+        judge = per_name[self.rewards.names[0]].tolist()
+        answers = (context.extra.get("answer_parsed") or [None] * len(judge))[: len(judge)]
+        for start in range(0, len(judge), k):
+            part = range(start, start + k)
+            self._outcomes.append(
+                {
+                    "correct": [None if math.isnan(judge[r]) else judge[r] >= 1 for r in part],
+                    "answers": [None if answers[r] is None else str(answers[r]) for r in part],
+                    "rewards": [],
+                    "lengths": [len(completions[r]) for r in part],
+                    "truncated": [self.truncated(completions[r]) for r in part],
+                }
+            )
+
+    def _outcome_metrics(self) -> dict[str, float]:
+        """pass@1, pass@k and cons@k over every rank's eval prompts since the last eval (a collective)."""
+        mine, self._outcomes = self._outcomes, []
+        everyone = [mine]
+        if dist.is_initialized() and dist.get_world_size() > 1:
+            everyone = [None] * dist.get_world_size()
+            dist.all_gather_object(everyone, mine)
+        lines = [line for part in everyone for line in part or []]
+        k = self.settings.eval_generations
+        summary = summarise(lines, [1, k])
+        return {key: float(v) for key, v in summary.items() if key.startswith(("pass@", "cons@")) and v is not None}
 
     data_eval: Any = None
 
@@ -577,6 +651,8 @@ class GRPO:
             out["clip_ratio/high_max"] = torch.nanmean(high_max).item()
             if self.settings.beta != 0.0:
                 out["kl"] = (sums[:, 1] / tokens).mean().item()
+        if mode == "eval":
+            out.update(self._outcome_metrics())
         if mode == "train":
             out.update(self.timer.window())
             out.update(self._reward_metrics_window())

@@ -84,6 +84,10 @@ class Objective(Protocol):
         """The data sampler's micro-batch, accumulation steps and start step for the batch math's ones."""
         ...
 
+    def eval_micro(self, micro: int) -> int:
+        """The eval loader's micro-batch (data rows) for the batch math's ``micro`` (rows trained together)."""
+        ...
+
 
 class Drawn:
     """The micro-batches are the data's rows as drawn (LM and preference losses)."""
@@ -93,6 +97,9 @@ class Drawn:
 
     def sampling(self, micro: int, accum: int, start_step: int) -> tuple[int, int, int]:
         return micro, accum, start_step
+
+    def eval_micro(self, micro: int) -> int:
+        return micro
 
 
 class LanguageModeling(Drawn):

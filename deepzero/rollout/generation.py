@@ -26,6 +26,12 @@ import torch
 
 from deepzero.errors import UserError, first_line
 
+PROTOCOLS: dict[str, dict[str, float]] = {"r1": {"temperature": 0.6, "top_p": 0.95}, "greedy": {"temperature": 0.0}}
+"""Evaluation's sampling: DeepSeek-R1's for its pass@1 (temperature 0.6, top-p 0.95), or greedy decoding."""
+EVAL_GENERATION = -1
+"""``GroupSeeds``' generation of evaluation samples (training draws 0, 1, ...): evaluate.py and train.py's eval
+draw a prompt's samples from the same streams, so a run's eval and evaluate.py on its export sample alike."""
+
 
 @dataclass
 class GroupSeeds:

@@ -28,14 +28,10 @@ from deepzero.args import _help, generation_kwargs
 from deepzero.checkpoint import write_atomic
 from deepzero.distributed import init_distributed, on_cuda
 from deepzero.errors import RaisedElsewhere, UserError
-from deepzero.rollout.generation import GroupSeeds, HFGenerate, eos_ids
+from deepzero.rollout.generation import EVAL_GENERATION, PROTOCOLS, GroupSeeds, HFGenerate, eos_ids
 from deepzero.rollout.rewards import RewardContext, RewardSet, parse_rewards
 from deepzero.rollout.scores import Condition, summarise
 
-PROTOCOLS: dict[str, dict[str, float]] = {"r1": {"temperature": 0.6, "top_p": 0.95}, "greedy": {"temperature": 0.0}}
-"""``--protocol``: DeepSeek-R1's sampling for its pass@1 (temperature 0.6, top-p 0.95), or greedy decoding."""
-EVAL_GENERATION = -1
-"""``GroupSeeds``' generation for evaluation samples (training draws generations 0, 1, ...), train.py's too."""
 CPU_PROMPTS_PER_CALL = 8
 
 
