@@ -1,10 +1,11 @@
 """Memory planner: will a model train under ZeRO 1/2/3 on these cards? Reads only the config (meta device).
 
 One module per job, imports pointing one way (arch <- setup <- activations, generation <- memory <- search <- tables
-<- cli, and search <- fit): ``arch`` the model's shapes and parameter counts, ``setup`` the run to size (from a preset
-or a RunPlan's decisions), ``activations`` what a micro-batch saves for backward, ``generation`` what GRPO's sampling
-adds, ``memory`` ZeRO's states and the ``estimate``, ``search`` micro-batch / preset / longest-sequence searches,
-``tables`` the reports, ``fit`` the start-of-run check train.py calls, ``cli`` the command line (``python -m
+<- evaluation <- cli, and search <- fit): ``arch`` the model's shapes and parameter counts, ``setup`` the run to size
+(from a preset or a RunPlan's decisions), ``activations`` what a micro-batch saves for backward, ``generation`` what
+GRPO's sampling adds, ``memory`` ZeRO's states and the ``estimate``, ``search`` micro-batch / preset /
+longest-sequence searches, ``tables`` the reports, ``evaluation`` how evaluation and sampling (generation only) hold
+the model on the cards, ``fit`` the start-of-run check train.py calls, ``cli`` the command line (``python -m
 deepzero.plan``). Formulas: docs/memory.md.
 
 Every public name is importable from here (``from deepzero.plan import estimate``); its module loads on first use,
@@ -41,7 +42,15 @@ _EXPORTS: dict[str, tuple[str, ...]] = {
         "offloaded_bytes",
         "sequence_mask_bytes",
     ),
-    "generation": ("generation_bytes", "kv_cache_bytes", "kv_cache_width", "reference_copy_bytes"),
+    "generation": (
+        "generation_bytes",
+        "kv_cache_bytes",
+        "kv_cache_width",
+        "kv_layer_bytes",
+        "prefill_bytes",
+        "reference_copy_bytes",
+        "sampling_logits_bytes",
+    ),
     "memory": (
         "ADAM_K",
         "CUDA_RESERVE",
@@ -89,6 +98,17 @@ _EXPORTS: dict[str, tuple[str, ...]] = {
         "table_setups",
     ),
     "fit": ("check_fit", "detected_cpu_mem_gb", "detected_gpu_mem_gb", "generation_batch", "run_estimate"),
+    "evaluation": (
+        "DOES_NOT_FIT",
+        "MODES",
+        "CardBytes",
+        "EvalPlan",
+        "card_bytes",
+        "plan_evaluation",
+        "plan_evaluation_of",
+        "render_evaluation",
+        "unit_bytes",
+    ),
     "cli": ("PAIR_ROWS", "main"),
 }
 _HOME = {name: module for module, names in _EXPORTS.items() for name in names}

@@ -18,6 +18,7 @@ from collections.abc import Sequence
 from deepzero.errors import UserError
 from deepzero.modeling import planning_config
 from deepzero.plan.arch import model_stats
+from deepzero.plan.evaluation import DTYPES, render_evaluation
 from deepzero.plan.setup import GrpoTerms, SaverTerms
 from deepzero.plan.tables import LORA_RANK, fit_table, render, render_grpo, render_longest
 from deepzero.presets import PRESETS
@@ -57,7 +58,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         " --num-generations × (--prompt-len + completion) tokens while generating)",
     )
     parser.add_argument("--num-generations", type=int, default=8, help="--grpo: completions per prompt (G)")
-    parser.add_argument("--prompt-len", type=int, default=512, help="--grpo: the longest prompt, in tokens")
+    parser.add_argument("--prompt-len", type=int, default=512, help="--grpo, --evaluate: the longest prompt, in tokens")
     parser.add_argument(
         "--generation-batch-size",
         type=int,
@@ -68,7 +69,22 @@ def main(argv: Sequence[str] | None = None) -> int:
         "--completion-len",
         type=int,
         default=1024,
-        help="--grpo: the completion length at which to plan the most rows one generate call takes (default 1024)",
+        help="--grpo, --evaluate: the completion length at which to plan the most rows one generate call takes"
+        " (default 1024)",
+    )
+    parser.add_argument(
+        "--evaluate",
+        action="store_true",
+        help="evaluation / sampling (evaluate.py, sample.py; no training): a whole copy of the model per card or its"
+        " layers split over the cards, in 16 bits or NF4, and the most rows one generate call takes at --prompt-len"
+        " + --completion-len tokens",
+    )
+    parser.add_argument(
+        "--samples", type=int, default=None, help="--evaluate: samples per prompt (k), for prompts per call"
+    )
+    parser.add_argument("--max-rows", type=int, default=512, help="--evaluate: the most rows per generate call to plan")
+    parser.add_argument(
+        "--dtype", choices=tuple(DTYPES), default="bf16", help="--evaluate: the weights' dtype (NF4's compute dtype)"
     )
     args = parser.parse_args(argv)
     if args.preference and args.max_seq_len:
@@ -81,10 +97,16 @@ def main(argv: Sequence[str] | None = None) -> int:
     counts = [("--gpus", args.gpus), ("--seq-len", args.seq_len), ("--micro-batch", args.micro_batch)]
     counts += [("--num-generations", args.num_generations), ("--prompt-len", args.prompt_len)]
     counts += [("--generation-batch-size", args.generation_batch_size or 1), ("--completion-len", args.completion_len)]
+    counts += [("--samples", 1 if args.samples is None else args.samples), ("--max-rows", args.max_rows)]
     for flag, value in counts:
         if value < 1:
             print(f"error: {flag} {value}: must be at least 1. Fix: pass a positive number", file=sys.stderr)
             return 2
+    modes = (("--fit-table", args.fit_table), ("--grpo", args.grpo), ("--max-seq-len", args.max_seq_len))
+    other = [flag for flag, on in (*modes, ("--preference", args.preference)) if on]
+    if args.evaluate and other:
+        print(f"error: --evaluate with {other[0]}: plans generation only. Fix: drop one of them", file=sys.stderr)
+        return 2
     if args.fit_table:
         print(fit_table(args.gpus, args.gpu_mem, args.cpu_mem, args.seq_len, args.lora_rank))
         return 0
@@ -97,6 +119,10 @@ def main(argv: Sequence[str] | None = None) -> int:
     except UserError as err:
         print(f"error: {err}", file=sys.stderr)
         return 2
+    if args.evaluate:
+        lengths = (args.prompt_len, args.completion_len)
+        print(render_evaluation(stats, args.gpus, args.gpu_mem, *lengths, args.max_rows, args.dtype, args.samples))
+        return 0
     pretrained = not (args.model in PRESETS and PRESETS[args.model].hub_id is None)
     if args.grpo:
         grpo = GrpoTerms(args.num_generations, args.prompt_len, rows=args.generation_batch_size)
