@@ -119,19 +119,24 @@ def build_model(
     trust_remote_code: bool = False,
     quantization_config: Any = None,
     on_host: bool = False,
+    device_map: Any = None,
+    max_memory: dict[int, int] | None = None,
 ) -> torch.nn.Module:
     """Random-init presets are built in fp32 (DeepSpeed casts them); pretrained weights load in the training
     dtype, which halves host RAM per rank against fp32. For ZeRO-3 call ``zero3_context`` first.
 
     ``experts_implementation`` (MoE models only; None keeps Transformers' default) selects the experts kernel.
     ``quantization_config`` (pretrained weights only) loads a quantised base (``deepzero.adapters.quant``), into host RAM
-    with ``on_host`` (Transformers' 4-bit loader otherwise puts it on the current card).
+    with ``on_host`` (Transformers' 4-bit loader otherwise puts it on the current card), or per ``device_map``
+    (and ``max_memory``), accelerate's.
     """
     kwargs: dict[str, Any] = {"attn_implementation": attn_implementation, "trust_remote_code": trust_remote_code}
     if quantization_config is not None:
         kwargs["quantization_config"] = quantization_config
     if on_host:
         kwargs["device_map"] = {"": "cpu"}
+    elif device_map is not None:  # evaluation: accelerate's placement of a pretrained model
+        kwargs["device_map"], kwargs["max_memory"] = device_map, max_memory
     if experts_implementation is not None:
         kwargs["experts_implementation"] = experts_implementation
     try:

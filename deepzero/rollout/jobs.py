@@ -28,11 +28,14 @@ from deepzero.args import _help, generation_kwargs
 from deepzero.checkpoint import write_atomic
 from deepzero.distributed import init_distributed, on_cuda
 from deepzero.errors import RaisedElsewhere, UserError
+from deepzero.plan.arch import model_stats
 from deepzero.rollout.generation import EVAL_GENERATION, PROTOCOLS, GroupSeeds, HFGenerate, eos_ids
 from deepzero.rollout.rewards import RewardContext, RewardSet, parse_rewards
 from deepzero.rollout.scores import Condition, summarise
 
 CPU_PROMPTS_PER_CALL = 8
+MOST_ROWS = 512
+"""The most rows the planner gives one generate call."""
 
 
 @dataclass
@@ -67,6 +70,14 @@ class JobArgs:
     seed: int = field(default=0, **_help("Sampling seed: a prompt's samples depend on it and the prompt's index."))
     prompts_per_call: int | None = field(
         default=None, **_help(f"Prompts a rank generates together (k rows each). Default {CPU_PROMPTS_PER_CALL}.")
+    )
+    layout: Literal["auto", "data-parallel", "placement", "placement-4bit", "data-parallel-4bit"] = field(
+        default="auto",
+        **_help(
+            "auto: the planner's choice on CUDA (python -m deepzero.plan --evaluate), a whole copy per rank on the"
+            " CPU; data-parallel: a whole copy per rank; placement: one copy's layers over every card (one process);"
+            " the -4bit ones load the base in NF4."
+        ),
     )
     dtype: Literal["auto", "bf16", "fp16", "fp32"] = field(
         default="auto", **_help("Weights' dtype: auto is bf16 on CUDA, fp32 on the CPU.")
@@ -216,13 +227,20 @@ class Job:
         done = self.files.start(args.settings(), args.resume) if self.rank == 0 else set()
         self.todo = [i for i in range(count) if i not in _from_rank0(done)]
         self.count = count
-        self.tokenizer, self.model = load_model(args, self.data.meta)
+        self.layout, rows, self.layout_reason = choose_layout(args, self.data.max_prompt_len, self.completion_len)
+        if self.layout.startswith("placement") and self.world > 1:
+            raise UserError(
+                f"--layout {self.layout}",
+                f"one copy of the model spans every card ({self.layout_reason}), so one process drives them",
+                f"run python {kind}.py with the same flags, without the deepspeed launcher",
+            )
+        self.tokenizer, self.model = load_model(args, self.data.meta, self.layout, rows or 1)
         self.sampler = HFGenerate(
             self.completion_len, eos_ids(self.tokenizer, self.model), self.data.pad_id, args.temperature or 1.0,
             args.top_p, None, args.top_k, args.min_p, args.repetition_penalty, generation_kwargs(args.generation_kwargs),
         )  # fmt: skip
         self.seeds = GroupSeeds(args.seed)
-        self.per_call = args.prompts_per_call or CPU_PROMPTS_PER_CALL
+        self.per_call = args.prompts_per_call or (max(1, rows // args.samples) if rows else CPU_PROMPTS_PER_CALL)
 
     def run(self) -> dict[str, Any]:
         """Generate, score and write every prompt still to do; then the summary (rank 0's; others get {})."""
@@ -255,7 +273,7 @@ class Job:
         """The lines of ``indices``: k samples each, their rewards, answers and lengths."""
         if not indices:
             return []
-        k, device = self.args.samples, self.model.device
+        k, device = self.args.samples, self.model.get_input_embeddings().weight.device
         rows = [self.data[i]["prompt_ids"].to(device) for i in indices for _ in range(k)]
         greedy = self.args.temperature == 0
         seeds = None if greedy else [s for i in indices for s in self.seeds.rows(EVAL_GENERATION, i, k)]
@@ -308,8 +326,8 @@ class Job:
         sampling = "greedy" if a.temperature == 0 else f"T {a.temperature:g} top-p {a.top_p:g}"
         return (
             f"{self.kind}: {a.model} on {a.data} ({a.split}, {self.count} prompts, {len(self.todo)} to do),"
-            f" {a.samples} sample(s) each, {sampling}, up to {self.completion_len} tokens; {self.world} rank(s),"
-            f" {self.per_call} prompts per call; correct: {self.correct}"
+            f" {a.samples} sample(s) each, {sampling}, up to {self.completion_len} tokens; {self.layout} on"
+            f" {self.world} rank(s) ({self.layout_reason}), {self.per_call} prompts per call; correct: {self.correct}"
             + (f"; keep {self.keep}, {a.per_prompt} per prompt" if self.keep is not None else "")
         )
 
@@ -354,9 +372,28 @@ def _messages(prompt: Any) -> list[dict[str, str]]:
     return list(prompt) if isinstance(prompt, list) else [{"role": "user", "content": str(prompt)}]
 
 
-def load_model(args: JobArgs, meta: dict[str, Any]) -> tuple[Any, torch.nn.Module]:
-    """The tokenizer (the data's, checked against the model's own) and the pretrained model, on this rank's device
-    in the job's dtype, in eval mode."""
+def choose_layout(args: JobArgs, prompt_len: int, completion_len: int) -> tuple[str, int | None, str]:
+    """``(layout, rows per call or None, why)``: the flag's, else on CUDA the planner's for the visible cards
+    (``deepzero.plan.evaluation``), else a whole copy per CPU rank."""
+    if args.layout != "auto":
+        return args.layout, None, "--layout"
+    if not on_cuda():
+        return "data-parallel", None, "CPU ranks: a whole copy each"
+    from deepzero.plan.evaluation import DOES_NOT_FIT, plan_evaluation
+
+    cards = torch.cuda.device_count()
+    gib = torch.cuda.get_device_properties(0).total_memory / 2**30
+    plan = plan_evaluation(args.model, cards, gib, prompt_len, completion_len, most_rows=MOST_ROWS)
+    if plan.mode == DOES_NOT_FIT:
+        raise UserError(f"--model {args.model}", plan.reason, "use more or larger cards, or a shorter completion")
+    return plan.mode, plan.rows_per_call, plan.reason
+
+
+def load_model(args: JobArgs, meta: dict[str, Any], layout: str, rows: int) -> tuple[Any, torch.nn.Module]:
+    """The tokenizer (the data's, checked against the model's own) and the pretrained model in eval mode: a copy on
+    this rank's device, or its layers over every card (``deepzero.placement``, each layer's reserve its KV cache of
+    ``rows`` rows; on the CPU three "cpu" cards), the base in NF4 for the -4bit layouts (accelerate's map, each
+    card's budget less its KV cache and working set)."""
     from deepzero.run import check_data_tokenizer, plan_tokenizer
 
     source = modeling.resolve_model(args.model)
@@ -367,9 +404,45 @@ def load_model(args: JobArgs, meta: dict[str, Any]) -> tuple[Any, torch.nn.Modul
     dtype = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}.get(args.dtype)
     dtype = dtype or (torch.bfloat16 if on_cuda() else torch.float32)
     config = modeling.load_config(source, args.trust_remote_code)
-    model = modeling.build_model(source, config, dtype=dtype, trust_remote_code=args.trust_remote_code)
     device = torch.device("cuda", int(os.environ.get("LOCAL_RANK", "0"))) if on_cuda() else torch.device("cpu")
-    return tokenizer, model.to(device).eval()
+    quant = None
+    if layout.endswith("4bit"):
+        from deepzero.adapters.quant import FourBit
+
+        compute = {torch.bfloat16: "bf16", torch.float16: "fp16"}.get(dtype, "fp32")
+        quant = FourBit(compute, "uint8").bnb_config()
+    if layout == "placement-4bit":  # accelerate's map, each card's budget less its share of the KV cache
+        model = modeling.build_model(
+            source, config, dtype=dtype, trust_remote_code=args.trust_remote_code, quantization_config=quant,
+            device_map="auto", max_memory=_weights_budget(args, meta, config, rows),
+        )  # fmt: skip
+        return tokenizer, model.eval()
+    model = modeling.build_model(
+        source, config, dtype=dtype, trust_remote_code=args.trust_remote_code, quantization_config=quant,
+        device_map={"": device} if quant is not None else None,
+    )  # fmt: skip
+    if layout == "placement":
+        from deepzero.placement import apply_placement, plan_placement
+        from deepzero.plan.generation import kv_layer_bytes
+
+        cards = list(range(torch.cuda.device_count())) if on_cuda() else ["cpu"] * 3
+        tokens = meta["max_prompt_len"] + (args.max_completion_length or meta["max_completion_length"])
+        reserve = kv_layer_bytes(model_stats(config, args.model), rows, tokens, dtype.itemsize)
+        apply_placement(model, plan_placement(config, cards, dtype=dtype, reserve_per_layer_bytes=reserve))
+        return tokenizer, model.eval()
+    return tokenizer, (model if quant is not None else model.to(device)).eval()
+
+
+def _weights_budget(args: JobArgs, meta: dict[str, Any], config: Any, rows: int) -> dict[int, int]:
+    """Per card: its memory less the planner's KV cache, working set and logits of ``rows`` rows there, and 1 GiB
+    of CUDA context."""
+    from deepzero.plan.evaluation import card_bytes
+
+    cards = torch.cuda.device_count()
+    total = torch.cuda.get_device_properties(0).total_memory
+    completion = args.max_completion_length or meta["max_completion_length"]
+    held = card_bytes(model_stats(config, args.model), cards, rows, meta["max_prompt_len"], completion, four_bit=True)
+    return {k: total - (c.kv_cache + c.working + c.logits) - 2**30 for k, c in enumerate(held)}
 
 
 def _from_rank0(done: set[int]) -> set[int]:
