@@ -1,0 +1,195 @@
+"""evaluate.py and sample.py (deepzero.rollout.jobs) on a tiny model: the same samples on any world size and batch,
+after a resumed job, on the layer placement, and in train.py's GRPO eval; rejection-sampled data that prepares and
+trains; bad input in one line."""
+
+from __future__ import annotations
+
+import json
+import random
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+from tests.conftest import REPO, cpu_env, launch, records
+
+REWARD_FILE = """
+def raises(prompts, completions, completion_ids, **kw):
+    raise ValueError("no answers today")
+"""
+
+
+@pytest.fixture(scope="module")
+def ev(tmp_path_factory: pytest.TempPathFactory) -> dict:
+    """80 different sums "a+b=" with their answers (prepared with --format prompts, about 12 held out, a BPE trained here), and a
+    tiny random Qwen2 of three layers saved with that tokenizer."""
+    from transformers import AutoTokenizer, Qwen2Config, Qwen2ForCausalLM
+
+    root = tmp_path_factory.mktemp("evaluate")
+    rng = random.Random(0)
+    pairs = rng.sample([(a, b) for a in range(10) for b in range(10)], 80)  # each prompt once
+    rows = [{"prompt": f"{a}+{b}=", "answer": str(a + b)} for a, b in pairs]
+    (root / "p.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
+    (root / "reward.py").write_text(REWARD_FILE)
+    cmd = [sys.executable, "data/prepare.py", "--input", str(root / "p.jsonl"), "--format", "prompts"]
+    cmd += ["--tokenizer", "train", "--vocab-size", "300", "--seq-len", "24", "--max-completion-length", "8"]
+    cmd += ["--val-fraction", "0.15", "--out", str(root / "data")]
+    proc = subprocess.run(cmd, cwd=REPO, capture_output=True, text=True, env=cpu_env())
+    assert proc.returncode == 0, proc.stderr
+    tok = AutoTokenizer.from_pretrained(root / "data" / "tokenizer")
+    config = Qwen2Config(
+        vocab_size=len(tok), hidden_size=32, intermediate_size=64, num_hidden_layers=3, num_attention_heads=4,
+        num_key_value_heads=2, max_position_embeddings=64, tie_word_embeddings=False,
+        eos_token_id=tok.eos_token_id, pad_token_id=tok.pad_token_id,
+    )  # fmt: skip
+    torch.manual_seed(0)
+    Qwen2ForCausalLM(config).save_pretrained(root / "model")
+    tok.save_pretrained(root / "model")
+    val = json.loads((root / "data" / "meta.json").read_text())["n_rows"]["val"]
+    return {"root": root, "data": root / "data", "model": root / "model", "reward": root / "reward.py", "val": val}
+
+
+def job(ev: dict, out: Path, *extra: str) -> list[str]:
+    return ["--model", str(ev["model"]), "--data", str(ev["data"]), "--reward", "exact", "--out", str(out), *extra]
+
+
+def run_py(script: str, args: list[str]) -> subprocess.CompletedProcess[str]:
+    return subprocess.run([sys.executable, script, *args], cwd=REPO, capture_output=True, text=True, env=cpu_env())
+
+
+def lines(path: Path) -> list[dict]:
+    return [json.loads(x) for x in path.read_text().splitlines()]
+
+
+@pytest.fixture(scope="module")
+def one_rank(ev: dict) -> Path:
+    """The reference job: 1 rank, 5 prompts per call, 6 samples a prompt at R1's sampling."""
+    out = ev["root"] / "one"
+    proc = run_py("evaluate.py", job(ev, out, "--samples", "6", "--prompts-per-call", "5"))
+    assert proc.returncode == 0, proc.stderr
+    return out
+
+
+@pytest.mark.launcher
+def test_three_ranks_and_other_batches_write_the_same_samples_and_summary(ev: dict, one_rank: Path) -> None:
+    out = ev["root"] / "three"
+    launch(job(ev, out, "--samples", "6", "--prompts-per-call", "2"), script="evaluate.py")
+    assert lines(out / "samples.jsonl") == lines(one_rank / "samples.jsonl")
+    summary = json.loads((out / "summary.json").read_text())
+    assert summary == json.loads((one_rank / "summary.json").read_text())
+    assert {"pass@1", "pass@2", "pass@4", "cons@6", "mean_reward", "prompts"} <= set(summary)
+    assert summary["prompts"] == ev["val"] and summary["temperature"] == 0.6 and summary["top_p"] == 0.95
+    first = lines(out / "samples.jsonl")[0]
+    assert len(first["completions"]) == 6 and len(first["rewards"]) == 6 and first["index"] == 0
+    assert len(set(first["completions"])) > 1  # sampled, not six copies of one
+
+
+def test_a_stopped_job_resumes_to_the_same_file_and_a_changed_one_is_refused(ev: dict, one_rank: Path) -> None:
+    out = ev["root"] / "resumed"
+    out.mkdir()
+    for name in ("job.json", "samples.jsonl"):
+        (out / name).write_bytes((one_rank / name).read_bytes())
+    done = (one_rank / "samples.jsonl").read_text().splitlines(keepends=True)
+    (out / "samples.jsonl").write_text("".join(done[:5]) + done[5][:40])  # killed while writing line 6
+    again = run_py("evaluate.py", job(ev, out, "--samples", "6", "--prompts-per-call", "3"))
+    assert again.returncode == 2 and "pass --resume to continue it" in again.stderr.strip().splitlines()[-1]
+    changed = run_py("evaluate.py", job(ev, out, "--samples", "6", "--temperature", "0.7", "--resume"))
+    assert changed.returncode == 2
+    assert "error: --resume" in changed.stderr and "temperature was 0.6, now 0.7" in changed.stderr
+    resumed = run_py("evaluate.py", job(ev, out, "--samples", "6", "--prompts-per-call", "3", "--resume"))
+    assert resumed.returncode == 0, resumed.stderr
+    assert f"{ev['val']} prompts, {ev['val'] - 5} to do" in resumed.stdout
+    assert lines(out / "samples.jsonl") == lines(one_rank / "samples.jsonl")
+
+
+def test_greedy_on_the_layer_placement_equals_the_whole_model(ev: dict) -> None:
+    outs = {}
+    for layout in ("data-parallel", "placement"):
+        outs[layout] = ev["root"] / f"greedy-{layout}"
+        proc = run_py("evaluate.py", job(ev, outs[layout], "--protocol", "greedy", "--layout", layout))
+        assert proc.returncode == 0, proc.stderr
+        assert f"{layout} on 1 rank(s)" in proc.stdout
+    assert lines(outs["placement"] / "samples.jsonl") == lines(outs["data-parallel"] / "samples.jsonl")
+    summary = json.loads((outs["placement"] / "summary.json").read_text())
+    assert summary["samples_per_prompt"] == 1 and "pass@1" in summary and "cons@1" in summary
+
+
+def test_the_placement_path_splits_the_model_over_three_cards(ev: dict) -> None:
+    from deepzero.rollout.jobs import load_model, parse_job_args
+
+    args = parse_job_args(job(ev, ev["root"] / "unused", "--layout", "placement"), "evaluate.py")
+    meta = json.loads((ev["data"] / "meta.json").read_text())
+    _, model = load_model(args, meta, "placement", rows=4)
+    placed = {device for name, device in model.hf_device_map.items() if name.startswith("model.layers.")}
+    assert len(model._deepzero_placement_hooks) == len(model.hf_device_map) > 3 and placed == {"cpu"}
+    assert sorted(n for n in model.hf_device_map if n.startswith("model.layers.")) == [
+        f"model.layers.{i}" for i in range(3)
+    ]
+
+
+def test_rejection_sampled_chat_data_prepares_and_trains(ev: dict) -> None:
+    chat = ev["root"] / "rs" / "round1.jsonl"
+    args = job(ev, chat, "--split", "train", "--limit", "20", "--samples", "8", "--temperature", "1.5")
+    proc = run_py("sample.py", [*args, "--keep", "reward>=0", "--per-prompt", "2"])
+    assert proc.returncode == 0, proc.stderr
+    summary = json.loads((ev["root"] / "rs" / "round1.summary.json").read_text())
+    kept = lines(chat)
+    assert summary["written"] == len(kept) > 20 and summary["prompts_with_none_kept"] == 0
+    by_prompt: dict[str, list[str]] = {}
+    for record in kept:
+        user, assistant = record["messages"]
+        assert user["role"] == "user" and assistant["role"] == "assistant"
+        by_prompt.setdefault(user["content"], []).append(assistant["content"])
+    assert all(len(v) == len(set(v)) <= 2 for v in by_prompt.values())  # deduplicated, at most --per-prompt
+    data = ev["root"] / "rs" / "data"
+    cmd = ["data/prepare.py", "--input", str(chat), "--format", "chat", "--tokenizer", str(ev["model"])]
+    proc = subprocess.run([sys.executable, *cmd, "--seq-len", "24", "--out", str(data)], cwd=REPO, env=cpu_env())
+    assert proc.returncode == 0
+    out = ev["root"] / "rs" / "sft"
+    train = ["--deepspeed_config", "ds_configs/zero2.json", "--model", str(ev["model"]), "--data", str(data)]
+    train += ["--out", str(out), "--max-steps", "2", "--micro-batch", "2", "--grad-accum", "1", "--precision", "fp32"]
+    train += ["--log-interval", "1", "--eval-interval", "0", "--save-interval", "0", "--no-export", "--lr", "1e-3"]
+    launch(train, nproc=1)
+    assert [r["step"] for r in records(out)] == [1, 2]
+
+
+@pytest.mark.launcher
+def test_grpo_eval_samples_as_evaluate_py_does_on_the_same_weights(ev: dict) -> None:
+    """train.py's GRPO eval (--eval-sampling r1, every held-out prompt, one prompt per eval micro-batch) and
+    evaluate.py on its export (one prompt per call) draw the same samples: the same pass@k and mean reward."""
+    out = ev["root"] / "grpo"
+    train = ["--deepspeed_config", "ds_configs/zero2.json", "--model", str(ev["model"]), "--data", str(ev["data"])]
+    train += ["--out", str(out), "--reward", "exact", "--num-generations", "4", "--micro-batch", "4"]
+    train += ["--grad-accum", "1", "--max-steps", "2", "--eval-interval", "2", "--eval-batches", str(ev["val"])]
+    train += ["--eval-sampling", "r1", "--precision", "fp32", "--lr", "1e-3", "--save-interval", "0"]
+    launch(train, nproc=1)
+    (record,) = records(out, "eval")
+    proc = run_py("evaluate.py", job(ev, out / "eval", "--samples", "4", "--prompts-per-call", "1"))
+    assert proc.returncode == 0, proc.stderr
+    summary = json.loads((out / "eval" / "summary.json").read_text())
+    assert record["val_pass@1"] == summary["pass@1"] and record["val_pass@4"] == summary["pass@4"]
+    assert record["val_cons@4"] == summary["cons@4"]
+    assert record["val_reward"] == pytest.approx(summary["mean_reward"], rel=1e-6)
+    assert "val_loss" in record and record["val_loss"] == record["val_loss"]  # TRL's eval loss, a number
+
+
+@pytest.mark.parametrize(
+    ("extra", "line"),
+    [
+        ([], "error: --reward: no reward given"),
+        (["--reward", "REWARD:raises"], "raised ValueError: no answers today"),
+        (["--reward", "exact", "--model", "MISSING"], "error: --model"),
+        (["--reward", "exact", "--pass-k", "9", "--samples", "4"], "error: --pass-k: 9 is not in 1..4"),
+        (["--reward", "exact", "--protocol", "greedy", "--samples", "3"], "greedy decoding gives 3 identical"),
+    ],
+)
+def test_bad_input_is_one_line(ev: dict, extra: list[str], line: str, tmp_path: Path) -> None:
+    args = ["--model", str(ev["model"]), "--data", str(ev["data"]), "--out", str(tmp_path / "o")]
+    args += [a.replace("REWARD", str(ev["reward"])).replace("MISSING", str(tmp_path / "none")) for a in extra]
+    proc = run_py("evaluate.py", args)
+    assert proc.returncode == 2, proc.stderr
+    errors = [x for x in proc.stderr.splitlines() if x.startswith("error:")]
+    assert len(errors) == 1 and line in errors[0] and "Fix:" in errors[0], proc.stderr
+    assert "Traceback" not in proc.stderr
