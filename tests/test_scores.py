@@ -47,7 +47,13 @@ def test_majority_ties_go_to_the_first_answer_seen_and_no_answer_does_not_vote()
 def test_summary_counts_unscored_prompts_and_averages_the_rest() -> None:
     def line(correct: list, answers: list) -> dict:
         rewards = [None if ok is None else float(ok) for ok in correct]
-        return {"correct": correct, "answers": answers, "rewards": rewards, "lengths": [4] * 4, "truncated": [False] * 4}
+        return {
+            "correct": correct,
+            "answers": answers,
+            "rewards": rewards,
+            "lengths": [4] * 4,
+            "truncated": [False] * 4,
+        }
 
     lines = [
         line([True, False, False, False], ["1", "2", "2", "3"]),  # majority "2" is wrong
