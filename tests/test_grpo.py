@@ -161,6 +161,21 @@ def test_loss_gradient_and_metrics_equal_trl_grpo_trainer(loss_type: str, beta: 
     assert stats["clip_ratio/region_mean"] > 0  # the test exercises the clip
 
 
+@pytest.mark.launcher
+def test_three_ranks_step_gradient_equals_trls_for_every_loss_type(tmp_path) -> None:
+    """3 ranks × 2 micro-batches of uneven completion lengths: the objective's normaliser (dapo: the token count
+    all-reduced over the ranks; the others per micro-batch) gives TRL's step gradient for every loss type, and dapo
+    normalised by each rank's own count does not (tests/helpers/grpo_normaliser.py)."""
+    from tests.conftest import REPO, cpu_env, launch
+
+    out = tmp_path / "diffs.json"
+    launch(["--out", str(out)], env=cpu_env(PYTHONPATH=str(REPO)), script="tests/helpers/grpo_normaliser.py")
+    diffs = json.loads(out.read_text())
+    print(diffs)
+    assert all(diffs[loss_type] <= TOL for loss_type in LOSS_TYPES), diffs
+    assert diffs["dapo, each rank's own count"] > 1e-3, diffs
+
+
 def test_advantages_equal_trls_for_every_scaling() -> None:
     """(r − group mean) / (std + 1e-4) with TRL's nanstd: group, batch and none; an unscorable row gets 0."""
     from trl.trainer.utils import nanstd as trl_nanstd
