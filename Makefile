@@ -20,7 +20,7 @@ TEST_WORKERS ?= 2
 ACCELERATOR ?= $(shell $(BIN)/python -c "import torch; print('cuda' if torch.cuda.is_available() else 'cpu')")
 LAUNCH = PATH="$(CURDIR)/$(BIN):$$PATH" DS_ACCELERATOR=$(ACCELERATOR) deepspeed --log_level=error --num_gpus=$(NUM_GPUS)
 
-.PHONY: setup data train sft sft-long dpo grpo grpo-math test lint plan doctor plot bench bench-gpu clean
+.PHONY: setup data train sft sft-long dpo grpo grpo-math eval sample test lint plan doctor plot bench bench-gpu clean
 
 setup: $(VENV)/.installed
 
@@ -117,7 +117,7 @@ MATH_OUT      ?= runs/math-grpo
 MATH_SFT_ARGS ?= --max-steps 300 --warmup-steps 5 --micro-batch 4 --grad-accum 1 --log-interval 50 \
 	--eval-interval 100 --eval-batches 1 --save-interval 0
 MATH_ARGS     ?= --reward accuracy --num-generations 8 --micro-batch 8 --grad-accum 1 --max-steps 150 \
-	--warmup-steps 2 --lr 2e-4 --log-interval 10 --eval-interval 30 --eval-batches 4 --save-interval 0
+	--warmup-steps 2 --lr 2e-4 --log-interval 10 --eval-interval 30 --eval-batches 10 --eval-sampling r1 --save-interval 0
 grpo-math: setup
 	$(BIN)/python data/math_example.py --sft $(MATH_SFT).jsonl --prompts $(MATH_PROMPTS).jsonl
 	$(BIN)/python data/prepare.py --input $(MATH_SFT).jsonl --format chat --tokenizer train --vocab-size 300 \
@@ -127,6 +127,31 @@ grpo-math: setup
 		--seq-len 48 --max-completion-length 16 --val-fraction 0.1 --out $(MATH_PROMPTS)
 	$(LAUNCH) train.py --deepspeed_config $(DS_CONFIG) --model $(MATH_SFT_OUT)/hf --data $(MATH_PROMPTS) \
 		--out $(MATH_OUT) $(MATH_ARGS)
+
+# Evaluate as DeepSeek reports R1 (docs/evaluate.md): pass@1 over 8 samples at T 0.6 / top-p 0.95, pass@k, cons@8,
+# of `make grpo-math`'s cold start (before) and its GRPO export (after) on the held-out questions, 3 ranks. The jobs
+# resume: a second `make eval` only rewrites the summaries; another model or setting into the same folder is refused.
+EVAL_BEFORE ?= $(MATH_SFT_OUT)/hf
+EVAL_AFTER  ?= $(MATH_OUT)/hf
+EVAL_DATA   ?= $(MATH_PROMPTS)
+EVAL_OUT    ?= runs/eval
+EVAL_ARGS   ?= --reward accuracy --protocol r1 --samples 8
+eval: setup
+	test -f $(EVAL_AFTER)/config.json || $(MAKE) grpo-math
+	$(LAUNCH) evaluate.py --model $(EVAL_BEFORE) --data $(EVAL_DATA) --out $(EVAL_OUT)/before --resume $(EVAL_ARGS)
+	$(LAUNCH) evaluate.py --model $(EVAL_AFTER) --data $(EVAL_DATA) --out $(EVAL_OUT)/after --resume $(EVAL_ARGS)
+	$(BIN)/python -m deepzero.rollout.compare $(EVAL_OUT)/before $(EVAL_OUT)/after
+
+# Rejection sampling (docs/evaluate.md): 8 samples of each training question from `make grpo-math`'s export, the
+# correct ones (deduplicated, 2 a question at most) as chat SFT data, prepared for train.py.
+RS_OUT  ?= artifacts/rs/math_round1.jsonl
+RS_DATA ?= artifacts/data/math_rs
+RS_ARGS ?= --reward accuracy --samples 8 --keep 'accuracy>=1' --per-prompt 2
+sample: setup
+	test -f $(EVAL_AFTER)/config.json || $(MAKE) grpo-math
+	$(LAUNCH) sample.py --model $(EVAL_AFTER) --data $(EVAL_DATA) --split train --out $(RS_OUT) --resume $(RS_ARGS)
+	$(BIN)/python data/prepare.py --input $(RS_OUT) --format chat --tokenizer $(EVAL_AFTER) --seq-len 48 \
+		--val-fraction 0.1 --out $(RS_DATA)
 
 test: setup
 	$(BIN)/python -m pytest $(if $(filter-out 1,$(TEST_WORKERS)),-n $(TEST_WORKERS) --dist loadfile) $(PYTEST_ARGS) tests; rc=$$?; \
