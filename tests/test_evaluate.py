@@ -193,3 +193,24 @@ def test_bad_input_is_one_line(ev: dict, extra: list[str], line: str, tmp_path: 
     errors = [x for x in proc.stderr.splitlines() if x.startswith("error:")]
     assert len(errors) == 1 and line in errors[0] and "Fix:" in errors[0], proc.stderr
     assert "Traceback" not in proc.stderr
+
+
+def test_every_documented_evaluate_and_sample_command_parses() -> None:
+    """The evaluate.py / sample.py commands of README.md and docs/ name flags that exist, with valid values."""
+    import shlex
+
+    from deepzero.rollout.jobs import parse_job_args
+    from tests.test_doc_commands import DOCS, shell_blocks
+
+    found = 0
+    for doc in DOCS:
+        for block in shell_blocks(doc.read_text()):
+            for command in block.replace("\\\n", " ").splitlines():
+                if "evaluate.py" not in command and "sample.py" not in command:
+                    continue
+                words = shlex.split(command, comments=True)
+                script = next((w for w in words if w in ("evaluate.py", "sample.py")), None)
+                if script is not None:
+                    parse_job_args(words[words.index(script) + 1 :], script)
+                    found += 1
+    assert found >= 2  # docs/evaluate.md: one of each
