@@ -307,6 +307,10 @@ class TrainArgs:
                     f"must be at least 1, got {getattr(self, name)}",
                     "pass a positive integer",
                 )
+        if self.num_generations_eval is not None and self.num_generations_eval < 1:
+            raise UserError(
+                "--num-generations-eval", f"must be 1 or more, got {self.num_generations_eval}", "pass e.g. 4"
+            )
         if self.top_k < 0:
             raise UserError("--top-k", f"must be 0 (off) or more, got {self.top_k}", "pass e.g. 50, or 0")
         if self.min_p is not None and not (math.isfinite(self.min_p) and 0 <= self.min_p <= 1):

@@ -22,11 +22,10 @@ from deepzero import (
     checkpoint,
     dsconfig,
     engines,
-    grpo_plan,
+    methods,
     modeling,
     moe_balance,
     preemption,
-    reference,
     report,
     universal,
 )
@@ -34,13 +33,13 @@ from deepzero import sequence_parallel as sp
 from deepzero.adapters import quant
 from deepzero.adapters.lora import LoraSpec
 from deepzero.args import TrainArgs
-from deepzero.data import PackedDataset, PreferenceDataset, check_enough_rows, load_meta, open_split
+from deepzero.data import PackedDataset, check_enough_rows, load_meta, open_split
 from deepzero.distributed import init_distributed
 from deepzero.engines import EngineSettings, TrainEngine
 from deepzero.engines.zero import local_values
 from deepzero.errors import UserError, warn
 from deepzero.flops import flops_per_token, peak_tflops, routed_experts
-from deepzero.losses.objectives import PREFERENCE_KEYS, PREFERENCE_SECTION, PreferenceSettings, choose_preference
+from deepzero.losses.objectives import PreferenceSettings
 from deepzero.memory_savers import MemorySavers
 from deepzero.metrics import MetricsSink, redact
 from deepzero.op_builds import check_op_builds
@@ -127,7 +126,7 @@ def plan_run(args: TrainArgs, world: int) -> RunPlan:
     if from_scratch:
         default_lr, default_lr_source = preset.pretrain_lr, f"model preset {args.model}, random init"
     elif meta.get("format") == "prompts":  # GRPO
-        default_lr, default_lr_source = grpo_plan.GRPO_LR, "TRL 1.16's GRPO default"
+        default_lr, default_lr_source = methods.grpo.GRPO_LR, "TRL 1.16's GRPO default"
     hints = dsconfig.TrainingHints(  # the preset's lr is what "lr": "auto" means; a number in the JSON wins
         max_steps=args.max_steps,
         lr=args.lr,
@@ -146,9 +145,10 @@ def plan_run(args: TrainArgs, world: int) -> RunPlan:
             "drop --experts-impl",
         )
     balance = moe_balance.choose(config, args.moe_balance, args.moe_bias_rate, args.moe_aux_alpha)
-    preference = plan_preference(args, meta)
-    grpo, rewards = grpo_plan.plan(args, meta, config)
-    settings = grpo_plan.engine(choose_engine(args, preference), grpo, args.seed)
+    preference = methods.preference.plan(args, meta)
+    grpo, rewards = methods.grpo.plan(args, meta, config)
+    settings = methods.preference.engine(choose_engine(args), preference, args.deepspeed_config)
+    settings = methods.grpo.engine(settings, grpo, args.seed)
     sequence = sequence_size(settings)
     overrides = [*args.ds, f"sequence_parallel_size={sequence}"] if sequence > 1 else args.ds  # zero.Init reads it
     cfg = dsconfig.resolve(args.deepspeed_config, settings.dp_size(world), hints, overrides, precision=args.precision)
@@ -156,7 +156,7 @@ def plan_run(args: TrainArgs, world: int) -> RunPlan:
     four_bit = plan_four_bit(args, settings, cfg, source, config)
     if four_bit is not None:
         settings = dataclasses.replace(settings, four_bit=four_bit, base_source=source.pretrained)
-    grpo_plan.check_batch(grpo, cfg.batch)
+    methods.grpo.check_batch(grpo, cfg.batch)
     if cfg.precision_choice.changed:
         warn(f"{cfg.precision_choice.describe()}. Fix: pass --precision to choose another")
     if not source.random_init and (risk := fp16_risk(config, cfg.precision_choice, args.model)):
@@ -195,7 +195,7 @@ def plan_run(args: TrainArgs, world: int) -> RunPlan:
         rows_per_sample=train_data.rows_per_sample,
     ):
         warn(warning)
-    grpo_plan.plan_generation_batch(
+    methods.grpo.plan_generation_batch(
         grpo, args, meta, config, settings, cfg, world_size=world, pretrained=not source.random_init, savers=terms
     )
     return RunPlan(
@@ -239,32 +239,6 @@ def plan_four_bit(
         quantized_source=getattr(config, "quantization_config", None) is not None,
         fused_experts=routed_experts(config) > 0 and not args.trust_remote_code,  # remote code: nn.Linear experts
     )
-
-
-def plan_preference(args: TrainArgs, meta: dict[str, Any]) -> PreferenceSettings | None:
-    """The preference loss for a preference data folder: sigmoid DPO unless a flag or the preset's "preference"
-    section (after ``--ds`` overrides) picks another, flags first. Either one on other data is an error."""
-    flags = {
-        "loss": args.preference_loss,
-        "beta": args.beta,
-        "label_smoothing": args.label_smoothing,
-        "simpo_gamma": args.simpo_gamma,
-        "reference": args.reference,
-    }
-    section = dsconfig.owned_section(args.deepspeed_config, args.ds, PREFERENCE_SECTION)
-    given = [PREFERENCE_KEYS[k] for k, v in flags.items() if v is not None]
-    given += [f"{args.deepspeed_config}: {PREFERENCE_SECTION}"] * (section is not None)
-    if meta["format"] == "prompts":  # GRPO's KL coefficient is --beta too
-        given = [flag for flag in given if flag != "--beta"]
-    if meta["format"] != "preference":
-        if given:
-            raise UserError(
-                given[0],
-                f"{args.data} holds {meta['format']} data, not preference pairs",
-                "prepare pairs with data/prepare.py --format preference, or drop it",
-            )
-        return None
-    return choose_preference(flags, section, args.deepspeed_config)
 
 
 def plan_tokenizer(args: TrainArgs, meta: dict[str, Any]) -> Any:
@@ -361,7 +335,7 @@ def check_disk(args: TrainArgs, config: Any, precision: str, four_bit: bool = Fa
             warn(message)
 
 
-def choose_engine(args: TrainArgs, preference: PreferenceSettings | None = None) -> EngineSettings:
+def choose_engine(args: TrainArgs) -> EngineSettings:
     """The way to use the cards, from the preset's "pipeline" section (after --ds overrides) and the flags."""
     raw = dsconfig.load_json(args.deepspeed_config)
     dsconfig.apply_overrides(raw, list(args.ds), args.deepspeed_config)
@@ -374,7 +348,6 @@ def choose_engine(args: TrainArgs, preference: PreferenceSettings | None = None)
         args.gradient_checkpointing,
         lora,
         args.sequence_parallel,
-        preference,
     )
 
 
@@ -445,9 +418,9 @@ def setup(args: TrainArgs) -> Run:
     checkpoint.check_shared_storage(args.checkpoint_dir, plan.cfg.ds, plan.cfg.path)
     torch.manual_seed(args.seed)
     engine = plan.engine_settings.build(partial(make_model, args, plan), plan.cfg.ds, plan.seq_len)
-    reference_line = attach_reference(args, plan, engine)  # before any step or checkpoint: the starting weights
+    reference_line = methods.preference.attach(args, plan, engine)  # before any step or checkpoint: the start
     if plan.grpo is not None:  # the prompts, tokenizer and rewards; a frozen copy of the starting weights (beta > 0)
-        grpo_plan.attach(engine, plan, args.out_dir)
+        methods.grpo.attach(engine, plan, args.out_dir)
     balancer = moe_balance.attach(
         engine.model,
         plan.balance,
@@ -498,20 +471,6 @@ def setup(args: TrainArgs) -> Run:
         report.write_run_config(args.out_dir, run_config)
         report.print_header(run, plan.source.spec)
     return run
-
-
-def attach_reference(args: TrainArgs, plan: RunPlan, engine: TrainEngine) -> str | None:
-    """A preference run's reference: precomputed log-probs loaded, or computed now (see ``deepzero.reference``);
-    with the adapters off, the starting routing biases kept for it. The header's line; None for any other run."""
-    if plan.preference is None or plan.preference.reference == "none":
-        return None
-    if plan.preference.reference == "adapters-off":
-        engine.objective.remember_start(engine.model)
-        return "reference: the model with its LoRA adapters off and its starting routing biases (no second model)"
-    splits = {"train": plan.train_data} | ({"val": plan.val_data} if plan.val_data is not None else {})
-    assert all(isinstance(data, PreferenceDataset) for data in splits.values())
-    expected = reference.stamp(args.model, plan.source.random_init, args.seed, plan.cfg.precision, args.data)
-    return reference.attach(engine, splits, args.out_dir, expected)
 
 
 def make_model(args: TrainArgs, plan: RunPlan) -> nn.Module:

@@ -137,6 +137,7 @@ def test_rejection_sampled_chat_data_prepares_and_trains(ev: dict) -> None:
     summary = json.loads((ev["root"] / "rs" / "round1.summary.json").read_text())
     kept = lines(chat)
     assert summary["written"] == len(kept) > 20 and summary["prompts_with_none_kept"] == 0
+    assert summary["prompts_by_passing_samples"] == {"8": 20}  # every sample passes reward>=0
     by_prompt: dict[str, list[str]] = {}
     for record in kept:
         user, assistant = record["messages"]

@@ -486,9 +486,9 @@ def test_the_completion_limit_is_the_datas_unless_a_flag_says_otherwise(
     differs is used and said in one warning line; --reward soft_overlong always punishes against the data's."""
     from transformers import AutoConfig
 
-    from deepzero import grpo_plan
     from deepzero.args import parse_args
     from deepzero.data import load_meta
+    from deepzero.methods import grpo as grpo_plan
 
     meta, config = load_meta(rl["data"]), AutoConfig.from_pretrained(rl["model"])
     data_limit = meta["max_completion_length"]

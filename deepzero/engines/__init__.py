@@ -23,7 +23,6 @@ from deepzero.engines.layer_split import LayerSplitSettings
 from deepzero.engines.pipeline import PipelineSettings
 from deepzero.engines.zero import ZeroSettings
 from deepzero.errors import UserError
-from deepzero.losses.objectives import PreferenceSettings
 
 
 class EngineSettings(Protocol):
@@ -48,7 +47,6 @@ def choose(
     gradient_checkpointing: bool,
     lora: LoraSpec | None,
     sequence_parallel: int | None = None,
-    preference: PreferenceSettings | None = None,
 ) -> EngineSettings:
     """The way to use the cards: a "pipeline" section in the DeepSpeed config (``ds``, after overrides), a layer
     split (``--device-map``), or ZeRO data parallel, with ``sequence_parallel_size`` ranks per sequence."""
@@ -63,7 +61,6 @@ def choose(
             f"sequence parallelism runs on the ZeRO engine only, not with {way}",
             "use a ZeRO preset (ds_configs/zero2.json or zero3.json) without --device-map",
         )
-    check_preference(preference, pipe is not None, device_map, sp, lora, source)
     zero = ds.get("zero_optimization", {})
     if sp > 1 and zero.get("stage") == 3 and zero.get("reduce_scatter") is False:
         raise UserError(
@@ -73,39 +70,7 @@ def choose(
         )
     if device_map:
         return LayerSplitSettings(devices)
-    return pipe or ZeroSettings(gradient_checkpointing, lora, sp, preference)
-
-
-def check_preference(
-    preference: PreferenceSettings | None,
-    pipeline: bool,
-    device_map: str | None,
-    sp: int,
-    lora: LoraSpec | None,
-    source: str,
-) -> None:
-    """Preference training runs on the ZeRO engine, whole rows per rank; adapters-off needs LoRA adapters."""
-    if preference is None:
-        return
-    if pipeline or device_map:
-        way = f'the "pipeline" section of {source}' if pipeline else "--device-map"
-        raise UserError(
-            "--data (preference pairs)",
-            f"preference training runs on the ZeRO engine only, not with {way}",
-            "use a ZeRO preset (ds_configs/zero2.json or zero3.json) without --device-map",
-        )
-    if sp > 1:
-        raise UserError(
-            f"sequence_parallel_size {sp}",
-            "preference training needs each pair's whole rows on one rank",
-            "drop --sequence-parallel / sequence_parallel_size for a preference data folder",
-        )
-    if preference.reference == "adapters-off" and lora is None:
-        raise UserError(
-            "--reference adapters-off",
-            "switching adapters off gives the reference only when LoRA adapters train",
-            "add --lora, or use --reference precomputed (the default)",
-        )
+    return pipe or ZeroSettings(gradient_checkpointing, lora, sp)
 
 
 def sequence_size(ds: dict[str, Any], source: str, flag: int | None) -> int:

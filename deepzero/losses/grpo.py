@@ -123,7 +123,12 @@ class GRPOSettings:
             ("--epsilon-high", self.epsilon_high is None or self.epsilon_high >= 0, "0 or more", "0.28"),
             ("--beta", math.isfinite(self.beta) and self.beta >= 0, "0 or more", "0.04"),
             ("--num-iterations", self.num_iterations >= 1, "at least 1", "1"),
-            ("--num-generations-eval", (self.num_generations_eval or 1) >= 1, "at least 1", "4"),
+            (
+                "--num-generations-eval",
+                self.num_generations_eval is None or self.num_generations_eval >= 1,
+                "at least 1",
+                "4",
+            ),
         ]
         for flag, ok, what, example in checks:
             if not ok:

@@ -15,6 +15,7 @@ import json
 import math
 import os
 import sys
+from collections import Counter
 from collections.abc import Iterator
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
@@ -334,16 +335,21 @@ class Job:
 
 def write_chat(lines: list[dict[str, Any]], keep: Condition, per_prompt: int, path: Path | None) -> dict[str, Any]:
     """The kept completions as chat SFT records (the prompt's messages, then the completion as the assistant turn),
-    identical completions once, up to ``per_prompt`` a prompt; returns the acceptance figures."""
+    identical completions once, up to ``per_prompt`` a prompt; returns the acceptance figures (overall, and how many
+    prompts had 0, 1, ... passing samples)."""
     assert path is not None
     written, passed, duplicates, none = 0, 0, 0, 0
     records = []
+    passing: Counter[int] = Counter()  # prompts by their number of passing samples
     for line in lines:
         seen: set[str] = set()
         kept = 0
+        each = [
+            {"reward": r} | {name: s[j] for name, s in line["scores"].items()} for j, r in enumerate(line["rewards"])
+        ]
+        passing[sum(keep(scores) for scores in each)] += 1
         for j, text in enumerate(line["completions"]):
-            scores = {"reward": line["rewards"][j]} | {name: s[j] for name, s in line["scores"].items()}
-            if not keep(scores):
+            if not keep(each[j]):
                 continue
             passed += 1
             if text in seen:
@@ -364,6 +370,7 @@ def write_chat(lines: list[dict[str, Any]], keep: Condition, per_prompt: int, pa
         "acceptance_rate": passed / total if total else None,
         "duplicates_dropped": duplicates,
         "prompts_with_none_kept": none,
+        "prompts_by_passing_samples": {str(k): passing[k] for k in sorted(passing)},
         "chat_file": str(path),
     }
 

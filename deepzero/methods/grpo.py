@@ -1,5 +1,6 @@
-"""GRPO's part of planning and building a run: its settings from the flags, the rewards, the engine it runs on
-(the ZeRO engine, whole rows per rank), the batch it needs, and what its objective gets once the engine exists."""
+"""GRPO's phases of a run's setup (see ``deepzero.methods``): its settings from the flags and the rewards, the
+engine it runs on (the ZeRO engine, whole rows per rank), the batch it needs, the planner's rows per generate call
+on a card, and what its objective gets once the engine exists."""
 
 from __future__ import annotations
 
