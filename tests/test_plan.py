@@ -9,6 +9,7 @@ import subprocess
 import sys
 from dataclasses import replace
 from pathlib import Path
+from typing import Any
 
 import pytest
 import torch
@@ -176,19 +177,25 @@ def test_qlora_fits_32b_and_70b_on_24gb_cards_and_v2_lite_with_its_experts_on_ze
     assert dequantised_bytes(v2, replace(qlora.setup, checkpointing=False)) == 2 * v2.routed_experts
 
 
+def cache_test_config(name: str) -> Any:
+    """A preset's config, or for "qwen2-gqa" a tiny Qwen2 with grouped KV heads (the KV-cache measurements)."""
+    from transformers import Qwen2Config
+
+    if name == "qwen2-gqa":
+        return Qwen2Config(
+            vocab_size=512, hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
+            num_key_value_heads=2,
+        )  # fmt: skip
+    return get_preset(name).config()
+
+
 @pytest.mark.parametrize("name", ["tiny-deepseek-v3", "tiny-deepseek-v2", "qwen2-gqa"])
 def test_grpo_plans_the_kv_cache_transformers_really_keeps(name: str) -> None:
     """The planner's KV cache of a GRPO group equals the bytes of the DynamicCache Transformers' forward builds for
     G rows of prompt + completion (MLA: the latent and the rotary key; GQA: every KV head's key and value)."""
-    from transformers import AutoModelForCausalLM, Qwen2Config
+    from transformers import AutoModelForCausalLM
 
-    if name == "qwen2-gqa":
-        config = Qwen2Config(
-            vocab_size=512, hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
-            num_key_value_heads=2,
-        )  # fmt: skip
-    else:
-        config = get_preset(name).config()
+    config = cache_test_config(name)
     stats = model_stats(config, name)
     setup = Setup(stage=2, world_size=N, seq_len=12, precision="fp32", grpo=plan.GrpoTerms(3, prompt_len=5))
     model = AutoModelForCausalLM.from_config(config).eval()

@@ -5,13 +5,14 @@ from __future__ import annotations
 
 import pytest
 import torch
-from transformers import AutoModelForCausalLM, Qwen2Config
+from test_plan import cache_test_config
+from transformers import AutoModelForCausalLM
 
 from deepzero import plan
 from deepzero.errors import UserError
 from deepzero.placement import plan_placement
 from deepzero.plan import GiB, Setup, card_bytes, kv_layer_bytes, model_stats, plan_evaluation, plan_evaluation_of
-from deepzero.presets import PRESETS, get_preset
+from deepzero.presets import PRESETS
 
 N, GPU = 3, 24 * GiB
 PROMPT, COMPLETION, MOST = 512, 3584, 512
@@ -105,13 +106,7 @@ def test_the_kv_cache_is_the_one_generate_keeps(name: str) -> None:
     """Transformers' ``generate`` on 3 rows of 5 + 7 tokens (bf16): each layer's DynamicCache holds the rows at
     prompt + completion - 1 tokens (the last token is never fed back); the plan counts prompt + completion, each
     card its layers (MLA: the latent and the rotary key; GQA: every KV head's key and value)."""
-    if name == "qwen2-gqa":
-        config = Qwen2Config(
-            vocab_size=512, hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
-            num_key_value_heads=2,
-        )  # fmt: skip
-    else:
-        config = get_preset(name).config()
+    config = cache_test_config(name)
     stats = model_stats(config, name)
     model = AutoModelForCausalLM.from_config(config).to(torch.bfloat16).eval()
     prompt, completion, rows = 5, 7, 3
