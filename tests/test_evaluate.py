@@ -23,8 +23,9 @@ def raises(prompts, completions, completion_ids, **kw):
 
 @pytest.fixture(scope="module")
 def ev(tmp_path_factory: pytest.TempPathFactory) -> dict:
-    """80 different sums "a+b=" with their answers (prepared with --format prompts, about 12 held out, a BPE trained here), and a
-    tiny random Qwen2 of three layers saved with that tokenizer."""
+    """80 different sums "a+b=" with their answers (prepared with --format prompts, about 12 held out, a BPE trained
+    here), and a tiny random Qwen2 of three layers saved with that tokenizer (its projections multiples of 32 wide,
+    as bitsandbytes' CPU kernels need)."""
     from transformers import AutoTokenizer, Qwen2Config, Qwen2ForCausalLM
 
     root = tmp_path_factory.mktemp("evaluate")
@@ -40,7 +41,7 @@ def ev(tmp_path_factory: pytest.TempPathFactory) -> dict:
     assert proc.returncode == 0, proc.stderr
     tok = AutoTokenizer.from_pretrained(root / "data" / "tokenizer")
     config = Qwen2Config(
-        vocab_size=len(tok), hidden_size=32, intermediate_size=64, num_hidden_layers=3, num_attention_heads=4,
+        vocab_size=len(tok), hidden_size=64, intermediate_size=128, num_hidden_layers=3, num_attention_heads=4,
         num_key_value_heads=2, max_position_embeddings=64, tie_word_embeddings=False,
         eos_token_id=tok.eos_token_id, pad_token_id=tok.pad_token_id,
     )  # fmt: skip
@@ -127,6 +128,22 @@ def test_the_placement_path_splits_the_model_over_three_cards(ev: dict) -> None:
     assert sorted(n for n in model.hf_device_map if n.startswith("model.layers.")) == [
         f"model.layers.{i}" for i in range(3)
     ]
+
+
+def test_the_4bit_layout_loads_the_base_in_nf4_and_evaluates(ev: dict) -> None:
+    from bitsandbytes.nn import Linear4bit
+
+    from deepzero.rollout.jobs import load_model, parse_job_args
+
+    args = parse_job_args(job(ev, ev["root"] / "unused", "--layout", "data-parallel-4bit"), "evaluate.py")
+    meta = json.loads((ev["data"] / "meta.json").read_text())
+    _, model = load_model(args, meta, "data-parallel-4bit", rows=4)
+    assert sum(isinstance(m, Linear4bit) for m in model.modules()) == 3 * 7  # q k v o gate up down, every layer
+    out = ev["root"] / "nf4"
+    proc = run_py("evaluate.py", job(ev, out, "--protocol", "greedy", "--layout", "data-parallel-4bit"))
+    assert proc.returncode == 0, proc.stderr
+    assert "data-parallel-4bit on 1 rank(s)" in proc.stdout
+    assert [line["index"] for line in lines(out / "samples.jsonl")] == list(range(ev["val"]))
 
 
 def test_rejection_sampled_chat_data_prepares_and_trains(ev: dict) -> None:

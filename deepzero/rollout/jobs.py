@@ -28,7 +28,7 @@ from deepzero import modeling
 from deepzero.args import _help, generation_kwargs
 from deepzero.checkpoint import write_atomic
 from deepzero.distributed import init_distributed, on_cuda
-from deepzero.errors import RaisedElsewhere, UserError
+from deepzero.errors import RaisedElsewhere, UserError, first_line
 from deepzero.plan.arch import model_stats
 from deepzero.rollout.generation import EVAL_GENERATION, PROTOCOLS, GroupSeeds, HFGenerate, eos_ids
 from deepzero.rollout.rewards import RewardContext, RewardSet, parse_rewards
@@ -278,7 +278,16 @@ class Job:
         rows = [self.data[i]["prompt_ids"].to(device) for i in indices for _ in range(k)]
         greedy = self.args.temperature == 0
         seeds = None if greedy else [s for i in indices for s in self.seeds.rows(EVAL_GENERATION, i, k)]
-        completions = self.sampler.sample(self.model, rows, seeds)
+        try:
+            completions = self.sampler.sample(self.model, rows, seeds)
+        except Exception as err:  # bitsandbytes' kernels refuse some shapes and devices, each in its own way
+            if not self.layout.endswith("4bit"):
+                raise
+            raise UserError(
+                f"--layout {self.layout}",
+                f"bitsandbytes could not generate with this model's 4-bit weights ({first_line(err)})",
+                "use --layout data-parallel or placement (16-bit weights)",
+            ) from None
         texts = self.tokenizer.batch_decode(completions, skip_special_tokens=True)
         records = [self.data.record(i) for i in indices for _ in range(k)]
         rendered = [self.data.prompt_text(i) for i in indices for _ in range(k)]
