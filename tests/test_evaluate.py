@@ -5,6 +5,7 @@ trains; bad input in one line."""
 from __future__ import annotations
 
 import json
+import math
 import random
 import subprocess
 import sys
@@ -18,6 +19,14 @@ from tests.conftest import REPO, cpu_env, launch, records
 REWARD_FILE = """
 def raises(prompts, completions, completion_ids, **kw):
     raise ValueError("no answers today")
+
+
+def first_even(prompts, completions, completion_ids, log_extra=None, **kw):
+    # a random model's completions: right (1.0) when their first digit is even; that digit is the answer they vote on
+    first = [next((ch for ch in c if ch.isdigit()), None) for c in completions]
+    if log_extra is not None:
+        log_extra("answer_parsed", [d or "[unparseable]" for d in first])
+    return [float(d is not None and int(d) % 2 == 0) for d in first]
 """
 
 
@@ -52,8 +61,10 @@ def ev(tmp_path_factory: pytest.TempPathFactory) -> dict:
     return {"root": root, "data": root / "data", "model": root / "model", "reward": root / "reward.py", "val": val}
 
 
-def job(ev: dict, out: Path, *extra: str) -> list[str]:
-    return ["--model", str(ev["model"]), "--data", str(ev["data"]), "--reward", "exact", "--out", str(out), *extra]
+def job(ev: dict, out: Path, *extra: str, reward: str = "exact") -> list[str]:
+    """evaluate.py's / sample.py's flags; ``reward`` "first_even" is the fixture's file reward."""
+    spec = f"{ev['reward']}:first_even" if reward == "first_even" else reward
+    return ["--model", str(ev["model"]), "--data", str(ev["data"]), "--reward", spec, "--out", str(out), *extra]
 
 
 def run_py(script: str, args: list[str]) -> subprocess.CompletedProcess[str]:
@@ -68,7 +79,7 @@ def lines(path: Path) -> list[dict]:
 def one_rank(ev: dict) -> Path:
     """The reference job: 1 rank, 5 prompts per call, 6 samples a prompt at R1's sampling."""
     out = ev["root"] / "one"
-    proc = run_py("evaluate.py", job(ev, out, "--samples", "6", "--prompts-per-call", "5"))
+    proc = run_py("evaluate.py", job(ev, out, "--samples", "6", "--prompts-per-call", "5", reward="first_even"))
     assert proc.returncode == 0, proc.stderr
     return out
 
@@ -76,12 +87,13 @@ def one_rank(ev: dict) -> Path:
 @pytest.mark.launcher
 def test_three_ranks_and_other_batches_write_the_same_samples_and_summary(ev: dict, one_rank: Path) -> None:
     out = ev["root"] / "three"
-    launch(job(ev, out, "--samples", "6", "--prompts-per-call", "2"), script="evaluate.py")
+    launch(job(ev, out, "--samples", "6", "--prompts-per-call", "2", reward="first_even"), script="evaluate.py")
     assert lines(out / "samples.jsonl") == lines(one_rank / "samples.jsonl")
     summary = json.loads((out / "summary.json").read_text())
     assert summary == json.loads((one_rank / "summary.json").read_text())
     assert {"pass@1", "pass@2", "pass@4", "cons@6", "mean_reward", "prompts"} <= set(summary)
     assert summary["prompts"] == ev["val"] and summary["temperature"] == 0.6 and summary["top_p"] == 0.95
+    assert 0 < summary["pass@1"] < summary["pass@6"] and 0 < summary["cons@6"] < 1  # the figures are not all 0
     first = lines(out / "samples.jsonl")[0]
     assert len(first["completions"]) == 6 and len(first["rewards"]) == 6 and first["index"] == 0
     assert len(set(first["completions"])) > 1  # sampled, not six copies of one
@@ -94,12 +106,16 @@ def test_a_stopped_job_resumes_to_the_same_file_and_a_changed_one_is_refused(ev:
         (out / name).write_bytes((one_rank / name).read_bytes())
     done = (one_rank / "samples.jsonl").read_text().splitlines(keepends=True)
     (out / "samples.jsonl").write_text("".join(done[:5]) + done[5][:40])  # killed while writing line 6
-    again = run_py("evaluate.py", job(ev, out, "--samples", "6", "--prompts-per-call", "3"))
+    again = run_py("evaluate.py", job(ev, out, "--samples", "6", "--prompts-per-call", "3", reward="first_even"))
     assert again.returncode == 2 and "pass --resume to continue it" in again.stderr.strip().splitlines()[-1]
-    changed = run_py("evaluate.py", job(ev, out, "--samples", "6", "--temperature", "0.7", "--resume"))
+    changed = run_py(
+        "evaluate.py", job(ev, out, "--samples", "6", "--temperature", "0.7", "--resume", reward="first_even")
+    )
     assert changed.returncode == 2
     assert "error: --resume" in changed.stderr and "temperature was 0.6, now 0.7" in changed.stderr
-    resumed = run_py("evaluate.py", job(ev, out, "--samples", "6", "--prompts-per-call", "3", "--resume"))
+    resumed = run_py(
+        "evaluate.py", job(ev, out, "--samples", "6", "--prompts-per-call", "3", "--resume", reward="first_even")
+    )
     assert resumed.returncode == 0, resumed.stderr
     assert f"{ev['val']} prompts, {ev['val'] - 5} to do" in resumed.stdout
     assert lines(out / "samples.jsonl") == lines(one_rank / "samples.jsonl")
@@ -174,23 +190,41 @@ def test_rejection_sampled_chat_data_prepares_and_trains(ev: dict) -> None:
 
 
 @pytest.mark.launcher
-def test_grpo_eval_samples_as_evaluate_py_does_on_the_same_weights(ev: dict) -> None:
-    """train.py's GRPO eval (--eval-sampling r1, every held-out prompt, one prompt per eval micro-batch) and
-    evaluate.py on its export (one prompt per call) draw the same samples: the same pass@k and mean reward."""
-    out = ev["root"] / "grpo"
+@pytest.mark.parametrize("sampling", ["r1", "greedy"])
+def test_grpo_eval_samples_as_evaluate_py_does_on_the_same_weights(ev: dict, sampling: str) -> None:
+    """train.py's GRPO eval (--eval-sampling r1: 4 samples a prompt, or greedy: 1; every held-out prompt, one prompt
+    per eval micro-batch) and evaluate.py on its export (one prompt per call) draw the same samples: the same pass@k,
+    cons@k and mean reward."""
+    k, shape = (4, ["--num-generations", "4", "--micro-batch", "4"]) if sampling == "r1" else (1, [])
+    shape = shape or ["--num-generations", "2", "--micro-batch", "1", "--grad-accum", "2"]  # eval: 1 prompt a batch
+    out = ev["root"] / f"grpo-{sampling}"
     train = ["--deepspeed_config", "ds_configs/zero2.json", "--model", str(ev["model"]), "--data", str(ev["data"])]
-    train += ["--out", str(out), "--reward", "exact", "--num-generations", "4", "--micro-batch", "4"]
-    train += ["--grad-accum", "1", "--max-steps", "2", "--eval-interval", "2", "--eval-batches", str(ev["val"])]
-    train += ["--eval-sampling", "r1", "--precision", "fp32", "--lr", "1e-3", "--save-interval", "0"]
+    train += [
+        "--out",
+        str(out),
+        "--reward",
+        f"{ev['reward']}:first_even",
+        *shape,
+        "--max-steps",
+        "2",
+        "--eval-interval",
+        "2",
+    ]
+    train += ["--eval-batches", str(ev["val"]), "--eval-sampling", sampling, "--precision", "fp32", "--lr", "1e-3"]
+    train += ["--save-interval", "0"]
+    if "--grad-accum" not in train:
+        train += ["--grad-accum", "1"]
     launch(train, nproc=1)
     (record,) = records(out, "eval")
-    proc = run_py("evaluate.py", job(ev, out / "eval", "--samples", "4", "--prompts-per-call", "1"))
+    protocol = ["--samples", "4"] if sampling == "r1" else ["--protocol", "greedy"]
+    proc = run_py("evaluate.py", job(ev, out / "eval", *protocol, "--prompts-per-call", "1", reward="first_even"))
     assert proc.returncode == 0, proc.stderr
     summary = json.loads((out / "eval" / "summary.json").read_text())
-    assert record["val_pass@1"] == summary["pass@1"] and record["val_pass@4"] == summary["pass@4"]
-    assert record["val_cons@4"] == summary["cons@4"]
+    assert summary["prompts"] == ev["val"] and 0 < summary["pass@1"] < 1 and summary[f"cons@{k}"] > 0
+    for key in ("pass@1", f"pass@{k}", f"cons@{k}"):
+        assert record[f"val_{key}"] == summary[key], key
     assert record["val_reward"] == pytest.approx(summary["mean_reward"], rel=1e-6)
-    assert "val_loss" in record and record["val_loss"] == record["val_loss"]  # TRL's eval loss, a number
+    assert math.isfinite(record["val_loss"])  # TRL's eval loss
 
 
 @pytest.mark.parametrize(

@@ -62,9 +62,7 @@ class JobArgs:
     max_completion_length: int | None = field(default=None, **_help("Default: the data's (meta.json)."))
     split: Literal["val", "train"] = field(default="val", **_help("Which split's prompts."))
     limit: int | None = field(default=None, **_help("Only the first N prompts of the split."))
-    pass_k: list[int] = field(
-        default_factory=list, **_help("The k's of pass@k. Default: 1, 2, 4, ... up to --samples.")
-    )
+    pass_k: list[int] = field(default_factory=list, **_help("The k's of pass@k. Default: 1, 2, 4, ... and --samples."))
     correct: str | None = field(
         default=None, **_help("When a sample is correct, NAME OP NUMBER. Default: the first reward >= 1.")
     )
@@ -109,7 +107,8 @@ class JobArgs:
             )
         if not 0 < self.top_p <= 1:
             raise UserError("--top-p", f"must be in (0, 1], got {self.top_p}", "pass e.g. 0.95")
-        self.pass_k = self.pass_k or [2**i for i in range(self.samples.bit_length()) if 2**i <= self.samples]
+        powers = [2**i for i in range(self.samples.bit_length())]
+        self.pass_k = self.pass_k or sorted({*powers, self.samples})
         if bad := [k for k in self.pass_k if not 1 <= k <= self.samples]:
             raise UserError("--pass-k", f"{bad[0]} is not in 1..{self.samples} (--samples)", "pass k's up to --samples")
         for name, value in (("--prompts-per-call", self.prompts_per_call), ("--limit", self.limit)):
