@@ -94,6 +94,10 @@ def test_three_ranks_and_other_batches_write_the_same_samples_and_summary(ev: di
     assert {"pass@1", "pass@2", "pass@4", "cons@6", "mean_reward", "prompts"} <= set(summary)
     assert summary["prompts"] == ev["val"] and summary["temperature"] == 0.6 and summary["top_p"] == 0.95
     assert 0 < summary["pass@1"] < summary["pass@6"] and 0 < summary["cons@6"] < 1  # the figures are not all 0
+    again = launch(job(ev, out, "--samples", "6"), script="evaluate.py", check=False)  # no --resume: refused
+    assert again.returncode == 2 and "Traceback" not in again.stderr
+    errors = [x for x in again.stderr.splitlines() if "error:" in x]
+    assert len(errors) == 3 and all("pass --resume to continue it" in x for x in errors), again.stderr  # every rank
     first = lines(out / "samples.jsonl")[0]
     assert len(first["completions"]) == 6 and len(first["rewards"]) == 6 and first["index"] == 0
     assert len(set(first["completions"])) > 1  # sampled, not six copies of one

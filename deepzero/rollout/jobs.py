@@ -224,8 +224,16 @@ class Job:
         count = min(len(self.data), args.limit or len(self.data))
         if count == 0:
             raise UserError(args.data, f"has no {args.split} prompts", "prepare with --val-fraction, or pass --split")
-        done = self.files.start(args.settings(), args.resume) if self.rank == 0 else set()
-        self.todo = [i for i in range(count) if i not in _from_rank0(done)]
+        done, error = set(), None
+        if self.rank == 0:  # one rank reads and writes the job's files; the others learn what it found
+            try:
+                done = self.files.start(args.settings(), args.resume)
+            except UserError as err:
+                error = str(err)
+        done, error = _from_rank0((done, error))
+        if error:
+            raise RaisedElsewhere(error)
+        self.todo = [i for i in range(count) if i not in done]
         self.count = count
         self.layout, rows, self.layout_reason = choose_layout(args, self.data.max_prompt_len, self.completion_len)
         if self.layout.startswith("placement") and self.world > 1:
@@ -237,9 +245,10 @@ class Job:
         self.tokenizer, self.model = load_model(args, self.data.meta, self.layout, rows or 1)
         self.sampler = HFGenerate(
             self.completion_len, eos_ids(self.tokenizer, self.model), self.data.pad_id, args.temperature or 1.0,
-            args.top_p, None, args.top_k, args.min_p, args.repetition_penalty, generation_kwargs(args.generation_kwargs),
+            args.top_p, rows, args.top_k, args.min_p, args.repetition_penalty, generation_kwargs(args.generation_kwargs),
         )  # fmt: skip
         self.seeds = GroupSeeds(args.seed)
+        # a call's prompts: the planner's rows // k on a card (its rows per generate call cap the sampler either way)
         self.per_call = args.prompts_per_call or (max(1, rows // args.samples) if rows else CPU_PROMPTS_PER_CALL)
 
     def run(self) -> dict[str, Any]:
@@ -460,10 +469,11 @@ def _weights_budget(args: JobArgs, meta: dict[str, Any], config: Any, rows: int)
     return {k: total - (c.kv_cache + c.working + c.logits) - 2**30 for k, c in enumerate(held)}
 
 
-def _from_rank0(done: set[int]) -> set[int]:
+def _from_rank0(value: Any) -> Any:
+    """Rank 0's ``value`` on every rank."""
     if not (dist.is_initialized() and dist.get_world_size() > 1):
-        return done
-    box = [done]
+        return value
+    box = [value]
     dist.broadcast_object_list(box, src=0)
     return box[0]
 
