@@ -19,7 +19,6 @@ from __future__ import annotations
 import os
 import zlib
 from collections.abc import Callable
-from datetime import timedelta
 
 import deepspeed
 import torch
@@ -29,6 +28,7 @@ from torch import nn
 
 from deepzero import modeling
 from deepzero.adapters.quant import quant_states
+from deepzero.distributed import LONG_WAIT
 from deepzero.errors import UserError
 
 
@@ -46,11 +46,6 @@ class _PartitionAlone(deepspeed.zero.Init):
         param.partition()
 
 
-TURN_TIMEOUT = timedelta(hours=3)
-"""How long a rank may wait for the others' turns: quantising a 70B base on the CPU takes minutes per rank, longer
-than the main group's collective timeout (DeepSpeed's default: 10 minutes)."""
-
-
 def load_in_turns(build_model: Callable[[], nn.Module], ds_config: dict) -> tuple[nn.Module, list[int]]:
     """``build_model()`` (a 4-bit base loaded on the host) on each rank of a machine in turn, partitioned for ZeRO-3
     (else moved to the card whole) before the next rank starts, and its :func:`fingerprint`; the loading rank uses
@@ -60,7 +55,7 @@ def load_in_turns(build_model: Callable[[], nn.Module], ds_config: dict) -> tupl
     local_rank = int(os.environ.get("LOCAL_RANK", "0"))
     local_size = int(os.environ.get("LOCAL_WORLD_SIZE") or os.environ.get("LOCAL_SIZE") or os.environ["WORLD_SIZE"])
     device = torch.device(get_accelerator().device_name(local_rank))
-    waits = dist.new_group(backend="gloo", timeout=TURN_TIMEOUT)  # the turns' barriers, on the host
+    waits = dist.new_group(backend="gloo", timeout=LONG_WAIT)  # the turns' barriers: minutes a turn for a 70B base
     turns = torch.tensor([local_size])
     dist.all_reduce(turns, op=dist.ReduceOp.MAX, group=waits)  # machines with fewer ranks wait as often
     model, prints = None, None
