@@ -7,6 +7,7 @@
 #   4. the MoE experts implementations (eager / grouped_mm; batched_mm is skipped at training sizes),
 #   5. the longest sequence R1-Distill-Qwen-1.5B's architecture trains at on the card capped at 24 GiB (bench.long_context),
 #   6. train.py itself: chat SFT, QLoRA under ZeRO-3 and GRPO on that architecture (bench.gpu_train), peak vs planned,
+#      and evaluate.py on that base (its planner-chosen layout and rows per call), peak vs planned,
 #   7. GRPO's generation backends (bench.grpo_rollout --gpu-preset),
 # then merges everything into RESULTS_DIR/gpu.json and RESULTS_DIR/gpu.md.
 #
@@ -45,9 +46,10 @@ step 150 bench.gpu_bench train --case moe-v2-lite-8l --out "$PARTS"
 #    long-sequence savers on) that trains on this card capped at 24 GiB (a 4090's memory), beside the planner's bytes.
 step 150 bench.long_context gpu-longest --model deepseek-r1-distill-qwen-1.5b --layers 28 --vocab 151936 --cap-gib 24 --out "$PARTS"
 step 60 bench.experts_impl --sizes v2-lite-2l --seq-len 2048 --micro-batch 2 --iters 5 --tag gpu --results "$PARTS"
-# 6. train.py itself, a few steps per job, each with its own limit inside (100 + 120 + 100 s) after the base and data
+# 6. train.py itself, a few steps per job, and evaluate.py, each with its own limit inside (100 + 120 + 100 + 100 s)
+#    after the base and data
 #    (written to the part after each job, so a kill keeps what finished).
-step 480 bench.gpu_train --out "$PARTS"
+step 560 bench.gpu_train --out "$PARTS"
 # 7. GRPO's rollout: one call per group, one batched call (Transformers' sampling and train.py's rows' own streams),
 #    continuous batching; R1-Distill-Qwen-1.5B's architecture at random init, 8 prompts × G 4, 256 new tokens.
 step 120 bench.grpo_rollout --gpu-preset deepseek-r1-distill-qwen-1.5b --repeats 2 --results "$PARTS"

@@ -1,4 +1,5 @@
-"""train.py itself on one CUDA card (bench/gpu.sh step 6): chat SFT, QLoRA under ZeRO-3 and GRPO, a few steps each.
+"""train.py itself on one CUDA card (bench/gpu.sh step 6): chat SFT, QLoRA under ZeRO-3 and GRPO, a few steps each;
+then evaluate.py on the same base (the planner's layout and rows per call, 8 samples of 256 prompts).
 
     python -m bench.gpu_train --out bench/results/gpu                                  # gpu.sh runs this
     DS_ACCELERATOR=cpu python -m bench.gpu_train --tiny --allow-cpu --out /tmp/gpu_train   # CPU smoke test
@@ -41,7 +42,12 @@ JOBS: dict[str, list[str]] = {
     ],
 }  # fmt: skip
 """Each job's train.py flags beyond --model, --data, --out and COMMON."""
-LIMIT_S = {"sft": 100, "qlora_zero3": 120, "grpo": 100}
+LIMIT_S = {"sft": 100, "qlora_zero3": 120, "grpo": 100, "evaluate": 100}
+EVALUATE = [
+    "--reward", "data/grpo_reward.py:letter_share", "--correct", "letter_share>=0.3", "--samples", "8",
+    "--split", "train", "--limit", "256",
+]  # fmt: skip
+"""evaluate.py's flags beyond --model, --data and --out: its planner-chosen layout on this card, R1's sampling."""
 
 
 def make_base(folder: Path, tiny: bool) -> Path:
@@ -75,7 +81,7 @@ def make_data(work: Path, base: Path) -> dict[str, Path]:
     run([py, prepare, "--input", str(work / "sft.jsonl"), "--tokenizer", str(base), "--val-fraction", "0.05", *sft])
     run([py, "data/grpo_example.py", "--out", str(work / "grpo.jsonl")])
     run([py, prepare, "--input", str(work / "grpo.jsonl"), "--tokenizer", str(base), "--val-fraction", "0.05", *grpo])
-    return {"sft": work / "sft", "qlora_zero3": work / "sft", "grpo": work / "grpo"}
+    return {"sft": work / "sft", "qlora_zero3": work / "sft", "grpo": work / "grpo", "evaluate": work / "grpo"}
 
 
 def run(cmd: list[str]) -> None:
@@ -136,11 +142,48 @@ def measure(job: str, argv: list[str], out: Path) -> dict[str, Any]:
     }
 
 
+def measure_evaluate(base: Path, data: Path, out: Path, tiny: bool) -> dict[str, Any]:
+    """One ``python evaluate.py`` run, in ``measure``'s keys: its generation tokens/s, mean reward, the fullest card's
+    peak (``torch.cuda.max_memory_allocated``) against the planner's for the layout it chose (``tiny``: 16
+    prompts, the CPU smoke test)."""
+    argv = ["--model", str(base), "--data", str(data), "--out", str(out), *EVALUATE]
+    if tiny:
+        argv[argv.index("--limit") + 1] = "16"
+    start = time.perf_counter()
+    try:
+        proc = subprocess.run(
+            [sys.executable, "evaluate.py", *argv],
+            cwd=REPO,
+            capture_output=True,
+            text=True,
+            timeout=LIMIT_S["evaluate"],
+        )
+        rc, tail = proc.returncode, proc.stderr.strip()[-1500:]
+    except subprocess.TimeoutExpired:
+        rc, tail = None, f"ran past {LIMIT_S['evaluate']} s"
+    summary = json.loads((out / "summary.json").read_text()) if (out / "summary.json").exists() else {}
+    figures = summary.get("run", {})
+    return {
+        "flags": argv,
+        "exit": rc,
+        "seconds": time.perf_counter() - start,
+        "steps": summary.get("prompts", 0),
+        "tokens_per_s": figures.get("generation_tokens_per_s"),
+        "loss_first_last": None,
+        "reward_last": summary.get("mean_reward"),
+        "peak_mem_gib": figures.get("peak_gpu_mem_gib"),
+        "memory_kind": "gpu" if "peak_gpu_mem_gib" in figures else "host",
+        "planned_gib": figures.get("planned_gpu_mem_gib"),
+        "layout": f"{figures.get('layout')}, {figures.get('rows_per_call')} rows per call",
+        "stderr_tail": tail if rc != 0 else "",
+    }
+
+
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--out", default="bench/results/gpu", help="Folder of gpu.sh's per-step JSON parts.")
     p.add_argument("--work", default="artifacts/gpu_train", help="Base, data and run folders.")
-    p.add_argument("--jobs", nargs="*", choices=list(JOBS), default=list(JOBS))
+    p.add_argument("--jobs", nargs="*", choices=[*JOBS, "evaluate"], default=[*JOBS, "evaluate"])
     p.add_argument("--tiny", action="store_true", help="A 2-layer base (CPU smoke test of this script).")
     p.add_argument("--allow-cpu", action="store_true", help="Run on the CPU (smoke test of this script only).")
     args = p.parse_args(argv)
@@ -155,7 +198,10 @@ def main(argv: list[str] | None = None) -> int:
     for job in args.jobs:
         out = work / "runs" / job
         shutil.rmtree(out, ignore_errors=True)
-        jobs[job] = measure(job, flags(job, base, data[job], out), out)
+        if job == "evaluate":
+            jobs[job] = measure_evaluate(base, data[job], out, args.tiny)
+        else:
+            jobs[job] = measure(job, flags(job, base, data[job], out), out)
         print(f"bench/gpu_train: {job}: {json.dumps({k: v for k, v in jobs[job].items() if k != 'flags'})}")
         result = {"tiny": args.tiny, "jobs": jobs, "machine": machine()}  # after each job: a kill keeps the rest
         (folder / "train_py.json").write_text(json.dumps(result, indent=2) + "\n")

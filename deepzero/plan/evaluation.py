@@ -73,6 +73,12 @@ class EvalPlan:
     reason: str
     """One sentence: why this mode."""
 
+    @property
+    def allocated_bytes(self) -> int:
+        """The fullest card without the CUDA context and fragmentation: what ``torch.cuda.max_memory_allocated``
+        counts."""
+        return int((self.per_card_bytes - CUDA_RESERVE) / (1 + FRAGMENTATION))
+
     def describe(self) -> str:
         """One line for a header."""
         if self.mode == DOES_NOT_FIT:

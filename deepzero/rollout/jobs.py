@@ -15,6 +15,7 @@ import json
 import math
 import os
 import sys
+import time
 from collections import Counter
 from collections.abc import Iterator
 from dataclasses import asdict, dataclass, field
@@ -235,19 +236,22 @@ class Job:
             raise RaisedElsewhere(error)
         self.todo = [i for i in range(count) if i not in done]
         self.count = count
-        self.layout, rows, self.layout_reason = choose_layout(args, self.data.max_prompt_len, self.completion_len)
-        if self.layout.startswith("placement") and self.world > 1:
+        self.layout = choose_layout(args, self.data.max_prompt_len, self.completion_len)
+        rows = self.layout.rows
+        if self.layout.name.startswith("placement") and self.world > 1:
             raise UserError(
-                f"--layout {self.layout}",
-                f"one copy of the model spans every card ({self.layout_reason}), so one process drives them",
+                f"--layout {self.layout.name}",
+                f"one copy of the model spans every card ({self.layout.reason}), so one process drives them",
                 f"run python {kind}.py with the same flags, without the deepspeed launcher",
             )
-        self.tokenizer, self.model = load_model(args, self.data.meta, self.layout, rows or 1)
+        self.tokenizer, self.model = load_model(args, self.data.meta, self.layout.name, rows or 1)
         self.sampler = HFGenerate(
             self.completion_len, eos_ids(self.tokenizer, self.model), self.data.pad_id, args.temperature or 1.0,
             args.top_p, rows, args.top_k, args.min_p, args.repetition_penalty, generation_kwargs(args.generation_kwargs),
         )  # fmt: skip
         self.seeds = GroupSeeds(args.seed)
+        self.generated, self.generation_s = 0, 0.0
+        """This invocation's completion tokens and seconds generating them, on this rank."""
         # a call's prompts: the planner's rows // k on a card (its rows per generate call cap the sampler either way)
         self.per_call = args.prompts_per_call or (max(1, rows // args.samples) if rows else CPU_PROMPTS_PER_CALL)
 
@@ -273,7 +277,8 @@ class Job:
                 self.files.append(sorted((x for ls, _ in everyone for x in ls), key=lambda x: x["index"]))
                 bar.update(sum(len(ls) for ls, _ in everyone))
         bar.close()
-        summary = self.finish() if self.rank == 0 else {}
+        figures = self.run_figures()
+        summary = self.finish(figures) if self.rank == 0 else {}
         if self.world > 1:
             dist.barrier()
         return summary
@@ -286,16 +291,19 @@ class Job:
         rows = [self.data[i]["prompt_ids"].to(device) for i in indices for _ in range(k)]
         greedy = self.args.temperature == 0
         seeds = None if greedy else [s for i in indices for s in self.seeds.rows(EVAL_GENERATION, i, k)]
+        start = time.perf_counter()
         try:
             completions = self.sampler.sample(self.model, rows, seeds)
         except Exception as err:  # bitsandbytes' kernels refuse some shapes and devices, each in its own way
-            if not self.layout.endswith("4bit"):
+            if not self.layout.name.endswith("4bit"):
                 raise
             raise UserError(
-                f"--layout {self.layout}",
+                f"--layout {self.layout.name}",
                 f"bitsandbytes could not generate with this model's 4-bit weights ({first_line(err)})",
                 "use --layout data-parallel or placement (16-bit weights)",
             ) from None
+        self.generation_s += time.perf_counter() - start  # generate returns the tokens: the device is done
+        self.generated += sum(map(len, completions))
         texts = self.tokenizer.batch_decode(completions, skip_special_tokens=True)
         records = [self.data.record(i) for i in indices for _ in range(k)]
         rendered = [self.data.prompt_text(i) for i in indices for _ in range(k)]
@@ -330,10 +338,33 @@ class Job:
         """Cut at the length limit: it does not end in an end-of-sequence token."""
         return not completion or completion[-1] not in self.sampler.eos_ids
 
-    def finish(self) -> dict[str, Any]:
-        """Rank 0: summary.json from every line (and sample.py's chat JSONL); returns the summary."""
+    def run_figures(self) -> dict[str, Any]:
+        """This invocation's layout and speed over every rank (a collective): completion tokens per second (all
+        ranks' tokens over the slowest rank's generating time) and, on CUDA, the fullest card's peak against the
+        planner's."""
+        sums = torch.tensor([float(self.generated), self.generation_s], dtype=torch.float64)
+        peak = torch.tensor([torch.cuda.max_memory_allocated() / 2**30 if on_cuda() else 0.0], dtype=torch.float64)
+        if self.world > 1:
+            tokens, seconds = sums.clone(), sums.clone()
+            dist.all_reduce(tokens)
+            dist.all_reduce(seconds, op=dist.ReduceOp.MAX)
+            dist.all_reduce(peak, op=dist.ReduceOp.MAX)
+            sums = torch.stack([tokens[0], seconds[1]])
+        figures = {"layout": self.layout.name, "why": self.layout.reason, "ranks": self.world}
+        figures |= {"prompts_per_call": self.per_call, "rows_per_call": self.layout.rows}
+        figures["generation_tokens_per_s"] = sums[0].item() / sums[1].item() if sums[1] > 0 else None
+        if on_cuda():
+            figures["peak_gpu_mem_gib"] = peak.item()
+            planned = self.layout.planned_bytes
+            figures["planned_gpu_mem_gib"] = planned / 2**30 if planned is not None else None
+        return figures
+
+    def finish(self, figures: dict[str, Any]) -> dict[str, Any]:
+        """Rank 0: summary.json from every line (and sample.py's chat JSONL), with this invocation's ``figures``
+        under ``run``; returns the summary."""
         lines = sorted(self.files.lines(), key=lambda x: x["index"])
         summary = summarise(lines, self.args.pass_k) | {"correct": str(self.correct), **self.args.settings()}
+        summary["run"] = figures
         if self.keep is not None:
             summary |= write_chat(lines, self.keep, self.args.per_prompt, self.files.chat)
         write_atomic(self.files.summary, json.dumps(summary, indent=2))
@@ -344,8 +375,8 @@ class Job:
         sampling = "greedy" if a.temperature == 0 else f"T {a.temperature:g} top-p {a.top_p:g}"
         return (
             f"{self.kind}: {a.model} on {a.data} ({a.split}, {self.count} prompts, {len(self.todo)} to do),"
-            f" {a.samples} sample(s) each, {sampling}, up to {self.completion_len} tokens; {self.layout} on"
-            f" {self.world} rank(s) ({self.layout_reason}), {self.per_call} prompts per call; correct: {self.correct}"
+            f" {a.samples} sample(s) each, {sampling}, up to {self.completion_len} tokens; {self.layout.name} on"
+            f" {self.world} rank(s) ({self.layout.reason}), {self.per_call} prompts per call; correct: {self.correct}"
             + (f"; keep {self.keep}, {a.per_prompt} per prompt" if self.keep is not None else "")
         )
 
@@ -396,13 +427,25 @@ def _messages(prompt: Any) -> list[dict[str, str]]:
     return list(prompt) if isinstance(prompt, list) else [{"role": "user", "content": str(prompt)}]
 
 
-def choose_layout(args: JobArgs, prompt_len: int, completion_len: int) -> tuple[str, int | None, str]:
-    """``(layout, rows per call or None, why)``: the flag's, else on CUDA the planner's for the visible cards
-    (``deepzero.plan.evaluation``), else a whole copy per CPU rank."""
+@dataclass(frozen=True)
+class Layout:
+    """How the job holds the model (``JobArgs.layout``'s choices but auto), and why."""
+
+    name: str
+    rows: int | None
+    """The planner's rows per generate call on a card (None: the CPU's default, or a flag's layout)."""
+    reason: str
+    planned_bytes: int | None = None
+    """The planner's fullest card, as ``torch.cuda.max_memory_allocated`` counts it."""
+
+
+def choose_layout(args: JobArgs, prompt_len: int, completion_len: int) -> Layout:
+    """The flag's layout, else on CUDA the planner's for the visible cards (``deepzero.plan.evaluation``), else a
+    whole copy per CPU rank."""
     if args.layout != "auto":
-        return args.layout, None, "--layout"
+        return Layout(args.layout, None, "--layout")
     if not on_cuda():
-        return "data-parallel", None, "CPU ranks: a whole copy each"
+        return Layout("data-parallel", None, "CPU ranks: a whole copy each")
     from deepzero.plan.evaluation import DOES_NOT_FIT, plan_evaluation
 
     cards = torch.cuda.device_count()
@@ -410,7 +453,7 @@ def choose_layout(args: JobArgs, prompt_len: int, completion_len: int) -> tuple[
     plan = plan_evaluation(args.model, cards, gib, prompt_len, completion_len, most_rows=MOST_ROWS)
     if plan.mode == DOES_NOT_FIT:
         raise UserError(f"--model {args.model}", plan.reason, "use more or larger cards, or a shorter completion")
-    return plan.mode, plan.rows_per_call, plan.reason
+    return Layout(plan.mode, plan.rows_per_call, plan.reason, plan.allocated_bytes)
 
 
 def load_model(args: JobArgs, meta: dict[str, Any], layout: str, rows: int) -> tuple[Any, torch.nn.Module]:
@@ -503,7 +546,9 @@ def main(argv: list[str] | None, kind: Literal["evaluate", "sample"]) -> int:
             print(job.describe(), flush=True)
         summary = job.run()
         if job.rank == 0:
-            print(" | ".join(f"{k} {_shown(v)}" for k, v in summary.items() if _headline(k)), flush=True)
+            speed = summary["run"]["generation_tokens_per_s"]
+            shown = [f"{k} {_shown(v)}" for k, v in summary.items() if _headline(k)]
+            print(" | ".join([*shown, f"generated {_shown(speed)} tokens/s"]), flush=True)
             print(f"wrote {job.files.summary}" + (f" and {job.files.chat}" if job.files.chat else ""), flush=True)
     except UserError as err:
         return report_user_error(err)
