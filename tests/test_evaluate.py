@@ -140,7 +140,8 @@ def test_greedy_on_the_layer_placement_equals_the_whole_model(ev: dict) -> None:
 
 
 def test_the_placement_path_splits_the_model_over_three_cards(ev: dict) -> None:
-    from deepzero.rollout.jobs import load_model, parse_job_args
+    from deepzero.rollout.job_args import parse_job_args
+    from deepzero.rollout.layout import load_model
 
     args = parse_job_args(job(ev, ev["root"] / "unused", "--layout", "placement"), "evaluate.py")
     meta = json.loads((ev["data"] / "meta.json").read_text())
@@ -155,7 +156,8 @@ def test_the_placement_path_splits_the_model_over_three_cards(ev: dict) -> None:
 def test_the_4bit_layout_loads_the_base_in_nf4_and_evaluates(ev: dict) -> None:
     from bitsandbytes.nn import Linear4bit
 
-    from deepzero.rollout.jobs import load_model, parse_job_args
+    from deepzero.rollout.job_args import parse_job_args
+    from deepzero.rollout.layout import load_model
 
     args = parse_job_args(job(ev, ev["root"] / "unused", "--layout", "data-parallel-4bit"), "evaluate.py")
     meta = json.loads((ev["data"] / "meta.json").read_text())
@@ -257,7 +259,7 @@ def test_every_documented_evaluate_and_sample_command_parses() -> None:
     """The evaluate.py / sample.py commands of README.md and docs/ name flags that exist, with valid values."""
     import shlex
 
-    from deepzero.rollout.jobs import parse_job_args
+    from deepzero.rollout.job_args import parse_job_args
     from tests.test_doc_commands import DOCS, shell_blocks
 
     found = 0

@@ -10,7 +10,6 @@ world size, in any batch, after a resume). After each call the ranks' lines go t
 
 from __future__ import annotations
 
-import argparse
 import json
 import math
 import os
@@ -18,132 +17,22 @@ import sys
 import time
 from collections import Counter
 from collections.abc import Iterator
-from dataclasses import asdict, dataclass, field
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Literal
 
 import torch
 import torch.distributed as dist
 
-from deepzero import modeling
-from deepzero.args import _help, generation_kwargs
+from deepzero.args import generation_kwargs
 from deepzero.checkpoint import write_atomic
 from deepzero.distributed import init_distributed, on_cuda
 from deepzero.errors import RaisedElsewhere, UserError, first_line
-from deepzero.plan.arch import model_stats
-from deepzero.rollout.generation import EVAL_GENERATION, PROTOCOLS, GroupSeeds, HFGenerate, eos_ids
+from deepzero.rollout.generation import EVAL_GENERATION, GroupSeeds, HFGenerate, eos_ids
+from deepzero.rollout.job_args import CPU_PROMPTS_PER_CALL, JobArgs, parse_job_args
+from deepzero.rollout.layout import choose_layout, load_model
 from deepzero.rollout.rewards import RewardContext, RewardSet, parse_rewards
 from deepzero.rollout.scores import Condition, summarise
-
-CPU_PROMPTS_PER_CALL = 8
-MOST_ROWS = 512
-"""The most rows the planner gives one generate call."""
-
-
-@dataclass
-class JobArgs:
-    """evaluate.py's and sample.py's flags (sample.py adds ``--keep`` and ``--per-prompt``)."""
-
-    model: str = field(metadata={"help": "A pretrained folder (save_pretrained) or hub id."})
-    data: str = field(metadata={"help": "A folder from data/prepare.py --format prompts."})
-    out: str = field(metadata={"help": "evaluate: a folder; sample: the chat JSONL file to write."})
-    reward: list[str] = field(
-        default_factory=list, **_help("Reward NAME[:WEIGHT] or file.py:function, repeatable (as train.py's).")
-    )
-    samples: int | None = field(default=None, **_help("Samples per prompt (k). Default 8, 1 for --protocol greedy."))
-    protocol: Literal["r1", "greedy"] = field(
-        default="r1", **_help("r1: temperature 0.6, top-p 0.95 (DeepSeek-R1's pass@1); greedy: temperature 0.")
-    )
-    temperature: float | None = field(default=None, **_help("Overrides the protocol's; 0 is greedy."))
-    top_p: float | None = field(default=None, **_help("Overrides the protocol's."))
-    top_k: int = field(default=0, **_help("Sample among the k most likely tokens (0: off)."))
-    min_p: float | None = field(default=None, **_help("Min-p sampling threshold (off by default)."))
-    repetition_penalty: float = field(default=1.0, **_help("1.0: none."))
-    generation_kwargs: str | None = field(default=None, **_help("More generate() keywords, a JSON object."))
-    max_completion_length: int | None = field(default=None, **_help("Default: the data's (meta.json)."))
-    split: Literal["val", "train"] = field(default="val", **_help("Which split's prompts."))
-    limit: int | None = field(default=None, **_help("Only the first N prompts of the split."))
-    pass_k: list[int] = field(default_factory=list, **_help("The k's of pass@k. Default: 1, 2, 4, ... and --samples."))
-    correct: str | None = field(
-        default=None, **_help("When a sample is correct, NAME OP NUMBER. Default: the first reward >= 1.")
-    )
-    seed: int = field(default=0, **_help("Sampling seed: a prompt's samples depend on it and the prompt's index."))
-    prompts_per_call: int | None = field(
-        default=None, **_help(f"Prompts a rank generates together (k rows each). Default {CPU_PROMPTS_PER_CALL}.")
-    )
-    layout: Literal["auto", "data-parallel", "placement", "placement-4bit", "data-parallel-4bit"] = field(
-        default="auto",
-        **_help(
-            "auto: the planner's choice on CUDA (python -m deepzero.plan --evaluate), a whole copy per rank on the"
-            " CPU; data-parallel: a whole copy per rank; placement: one copy's layers over every card (one process);"
-            " the -4bit ones load the base in NF4."
-        ),
-    )
-    dtype: Literal["auto", "bf16", "fp16", "fp32"] = field(
-        default="auto", **_help("Weights' dtype: auto is bf16 on CUDA, fp32 on the CPU.")
-    )
-    tokenizer: str | None = field(default=None, **_help("Default: the one the data was prepared with."))
-    allow_tokenizer_change: bool = field(default=False, **_help("Data prepared with another tokenizer is refused."))
-    trust_remote_code: bool = field(default=False, **_help("Run the model repo's own code."))
-    resume: bool = field(default=False, **_help("Continue a stopped job: the prompts already written are skipped."))
-    keep: str = field(default="reward>=1", **_help("sample.py: which samples to keep, NAME OP NUMBER."))
-    per_prompt: int = field(default=1, **_help("sample.py: at most this many kept completions per prompt."))
-    local_rank: int = field(default=-1, **_help("Set by the deepspeed launcher."))
-
-    def check(self) -> None:
-        """Fill the protocol's values; one line for a bad combination."""
-        protocol = PROTOCOLS[self.protocol]
-        self.temperature = protocol["temperature"] if self.temperature is None else self.temperature
-        self.top_p = protocol.get("top_p", 1.0) if self.top_p is None else self.top_p
-        self.samples = (1 if self.temperature == 0 else 8) if self.samples is None else self.samples
-        if not self.reward:
-            raise UserError("--reward", "no reward given: samples cannot be judged", "pass e.g. --reward accuracy")
-        if self.samples < 1:
-            raise UserError("--samples", f"must be 1 or more, got {self.samples}", "pass e.g. 8")
-        if not (math.isfinite(self.temperature) and self.temperature >= 0):
-            raise UserError("--temperature", f"must be 0 (greedy) or more, got {self.temperature}", "pass e.g. 0.6")
-        if self.temperature == 0 and self.samples > 1:
-            raise UserError(
-                "--temperature 0", f"greedy decoding gives {self.samples} identical samples", "pass --samples 1"
-            )
-        if not 0 < self.top_p <= 1:
-            raise UserError("--top-p", f"must be in (0, 1], got {self.top_p}", "pass e.g. 0.95")
-        powers = [2**i for i in range(self.samples.bit_length())]
-        self.pass_k = self.pass_k or sorted({*powers, self.samples})
-        if bad := [k for k in self.pass_k if not 1 <= k <= self.samples]:
-            raise UserError("--pass-k", f"{bad[0]} is not in 1..{self.samples} (--samples)", "pass k's up to --samples")
-        for name, value in (("--prompts-per-call", self.prompts_per_call), ("--limit", self.limit)):
-            if value is not None and value < 1:
-                raise UserError(name, f"must be 1 or more, got {value}", "pass a positive number")
-        if self.per_prompt < 1:
-            raise UserError("--per-prompt", f"must be 1 or more, got {self.per_prompt}", "pass e.g. 2")
-        generation_kwargs(self.generation_kwargs)
-
-    def settings(self) -> dict[str, Any]:
-        """What makes the samples what they are: a resumed job must have the same."""
-        keys = ("model", "data", "split", "limit", "reward", "samples", "temperature", "top_p", "top_k", "min_p")
-        keys += ("repetition_penalty", "generation_kwargs", "max_completion_length", "seed")
-        return {k: v for k, v in asdict(self).items() if k in keys}
-
-
-def parse_job_args(argv: list[str] | None, program: str) -> JobArgs:
-    """The command line as :class:`JobArgs`; every problem is one line naming the flag."""
-    from transformers import HfArgumentParser
-
-    parser = HfArgumentParser(JobArgs, prog=program)
-
-    def error(message: str) -> None:
-        raise UserError(program, message, f"see python {program} --help")
-
-    parser.error = error
-    for action in parser._actions:
-        if action.dest in ("reward", "pass_k"):
-            action.__class__ = argparse._ExtendAction
-    args, rest = parser.parse_args_into_dataclasses(args=argv, return_remaining_strings=True)
-    if rest:
-        raise UserError(program, f"unknown argument {' '.join(rest)}", f"see python {program} --help")
-    args.check()
-    return args
 
 
 @dataclass(frozen=True)
@@ -425,91 +314,6 @@ def write_chat(lines: list[dict[str, Any]], keep: Condition, per_prompt: int, pa
 
 def _messages(prompt: Any) -> list[dict[str, str]]:
     return list(prompt) if isinstance(prompt, list) else [{"role": "user", "content": str(prompt)}]
-
-
-@dataclass(frozen=True)
-class Layout:
-    """How the job holds the model (``JobArgs.layout``'s choices but auto), and why."""
-
-    name: str
-    rows: int | None
-    """The planner's rows per generate call on a card (None: the CPU's default, or a flag's layout)."""
-    reason: str
-    planned_bytes: int | None = None
-    """The planner's fullest card, as ``torch.cuda.max_memory_allocated`` counts it."""
-
-
-def choose_layout(args: JobArgs, prompt_len: int, completion_len: int) -> Layout:
-    """The flag's layout, else on CUDA the planner's for the visible cards (``deepzero.plan.evaluation``), else a
-    whole copy per CPU rank."""
-    if args.layout != "auto":
-        return Layout(args.layout, None, "--layout")
-    if not on_cuda():
-        return Layout("data-parallel", None, "CPU ranks: a whole copy each")
-    from deepzero.plan.evaluation import DOES_NOT_FIT, plan_evaluation
-
-    cards = torch.cuda.device_count()
-    gib = torch.cuda.get_device_properties(0).total_memory / 2**30
-    plan = plan_evaluation(args.model, cards, gib, prompt_len, completion_len, most_rows=MOST_ROWS)
-    if plan.mode == DOES_NOT_FIT:
-        raise UserError(f"--model {args.model}", plan.reason, "use more or larger cards, or a shorter completion")
-    return Layout(plan.mode, plan.rows_per_call, plan.reason, plan.allocated_bytes)
-
-
-def load_model(args: JobArgs, meta: dict[str, Any], layout: str, rows: int) -> tuple[Any, torch.nn.Module]:
-    """The tokenizer (the data's, checked against the model's own) and the pretrained model in eval mode: a copy on
-    this rank's device, or its layers over every card (``deepzero.placement``, each layer's reserve its KV cache of
-    ``rows`` rows; on the CPU three "cpu" cards), the base in NF4 for the -4bit layouts (accelerate's map, each
-    card's budget less its KV cache and working set)."""
-    from deepzero.run import check_data_tokenizer, plan_tokenizer
-
-    source = modeling.resolve_model(args.model)
-    if source.random_init:
-        raise UserError(f"--model {args.model}", "is a random-init preset: nothing to evaluate", "pass a trained model")
-    tokenizer = plan_tokenizer(args, meta)
-    check_data_tokenizer(args, meta, source)
-    dtype = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}.get(args.dtype)
-    dtype = dtype or (torch.bfloat16 if on_cuda() else torch.float32)
-    config = modeling.load_config(source, args.trust_remote_code)
-    device = torch.device("cuda", int(os.environ.get("LOCAL_RANK", "0"))) if on_cuda() else torch.device("cpu")
-    quant = None
-    if layout.endswith("4bit"):
-        from deepzero.adapters.quant import FourBit
-
-        compute = {torch.bfloat16: "bf16", torch.float16: "fp16"}.get(dtype, "fp32")
-        quant = FourBit(compute, "uint8").bnb_config()
-    if layout == "placement-4bit":  # accelerate's map, each card's budget less its share of the KV cache
-        model = modeling.build_model(
-            source, config, dtype=dtype, trust_remote_code=args.trust_remote_code, quantization_config=quant,
-            device_map="auto", max_memory=_weights_budget(args, meta, config, rows),
-        )  # fmt: skip
-        return tokenizer, model.eval()
-    model = modeling.build_model(
-        source, config, dtype=dtype, trust_remote_code=args.trust_remote_code, quantization_config=quant,
-        device_map={"": device} if quant is not None else None,
-    )  # fmt: skip
-    if layout == "placement":
-        from deepzero.placement import apply_placement, plan_placement
-        from deepzero.plan.generation import kv_layer_bytes
-
-        cards = list(range(torch.cuda.device_count())) if on_cuda() else ["cpu"] * 3
-        tokens = meta["max_prompt_len"] + (args.max_completion_length or meta["max_completion_length"])
-        reserve = kv_layer_bytes(model_stats(config, args.model), rows, tokens, dtype.itemsize)
-        apply_placement(model, plan_placement(config, cards, dtype=dtype, reserve_per_layer_bytes=reserve))
-        return tokenizer, model.eval()
-    return tokenizer, (model if quant is not None else model.to(device)).eval()
-
-
-def _weights_budget(args: JobArgs, meta: dict[str, Any], config: Any, rows: int) -> dict[int, int]:
-    """Per card: its memory less the planner's KV cache, working set and logits of ``rows`` rows there, and 1 GiB
-    of CUDA context."""
-    from deepzero.plan.evaluation import card_bytes
-
-    cards = torch.cuda.device_count()
-    total = torch.cuda.get_device_properties(0).total_memory
-    completion = args.max_completion_length or meta["max_completion_length"]
-    held = card_bytes(model_stats(config, args.model), cards, rows, meta["max_prompt_len"], completion, four_bit=True)
-    return {k: total - (c.kv_cache + c.working + c.logits) - 2**30 for k, c in enumerate(held)}
 
 
 def _from_rank0(value: Any) -> Any:
