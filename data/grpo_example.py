@@ -69,9 +69,7 @@ def score(model_dir: str, data_dir: str, max_completion_length: int | None) -> t
     rewards = parse_rewards([f"{Path(__file__).with_name('grpo_reward.py')}:letter_share"])
     ids = sampler.sample(model, [val[i]["prompt_ids"] for i in range(len(val))], None)  # one batched call
     texts = tok.batch_decode(ids, skip_special_tokens=True)
-    total, _ = rewards.score(
-        [val.prompt_text(i) for i in range(len(val))], texts, ids, [val.record(i) for i in range(len(val))]
-    )
+    total, _ = rewards.score_rows(val, range(len(val)), texts, ids)
     return float(total.mean()), len(val)
 
 

@@ -6,11 +6,11 @@ import os
 import socket
 import sys
 import time
-from collections.abc import Iterator, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from contextlib import contextmanager
 from datetime import timedelta
 from pathlib import Path
-from typing import NoReturn
+from typing import Any, NoReturn
 
 import deepspeed
 import torch
@@ -88,6 +88,24 @@ def all_reduce_max(x: float) -> float:
     if dist.is_initialized():
         dist.all_reduce(t, op=dist.ReduceOp.MAX)
     return t.item()
+
+
+def every_ranks_object(value: Any) -> list[Any]:
+    """Each rank's ``value`` (picklable), in rank order, on every rank (a plain process: ``[value]``)."""
+    if not (dist.is_initialized() and dist.get_world_size() > 1):
+        return [value]
+    everyone: list[Any] = [None] * dist.get_world_size()
+    dist.all_gather_object(everyone, value)
+    return everyone
+
+
+def rank0_decides(decide: Callable[[], Any]) -> Any:
+    """``decide()`` run on rank 0 and its answer on every rank (a one-process run without a group: run here)."""
+    rank0 = not dist.is_initialized() or dist.get_rank() == 0
+    box = [decide() if rank0 else None]
+    if dist.is_initialized():
+        dist.broadcast_object_list(box, src=0)
+    return box[0]
 
 
 def broadcast_int(x: int) -> int:

@@ -18,7 +18,6 @@ import math
 import os
 import shutil
 import time
-from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -29,6 +28,7 @@ from huggingface_hub import try_to_load_from_cache
 
 from deepzero.data import PreferenceDataset
 from deepzero.data.dataset import SPLITS, load_meta, shard_files
+from deepzero.distributed import rank0_decides
 from deepzero.errors import UserError
 from deepzero.losses.objectives import sequence_logps
 from deepzero.modeling import resolve_model
@@ -96,7 +96,7 @@ def attach(engine: Any, splits: dict[str, PreferenceDataset], out_dir: Path, exp
     Every rank calls it; rank 0 decides (and loads) and the others follow. Returns the header's line."""
     folder = out_dir / FOLDER
     pairs = {split: len(data) for split, data in splits.items()}
-    kind, found = _from_rank0(lambda: _look(folder, pairs, expected))
+    kind, found = rank0_decides(lambda: _look(folder, pairs, expected))
     if kind == "refuse":
         raise UserError(*found)
     if kind == "reuse":
@@ -134,14 +134,6 @@ def _look(folder: Path, pairs: dict[str, int], expected: dict[str, Any]) -> tupl
 
 def _rank() -> int:
     return dist.get_rank() if dist.is_initialized() else 0
-
-
-def _from_rank0(decide: Callable[[], Any]) -> Any:
-    """``decide()`` run on rank 0 and its answer on every rank (a one-process run without a group: run here)."""
-    box = [decide() if _rank() == 0 else None]
-    if dist.is_initialized():
-        dist.broadcast_object_list(box, src=0)
-    return box[0]
 
 
 def _count(pairs: dict[str, int]) -> str:

@@ -145,7 +145,7 @@ def test_the_placement_path_splits_the_model_over_three_cards(ev: dict) -> None:
 
     args = parse_job_args(job(ev, ev["root"] / "unused", "--layout", "placement"), "evaluate.py")
     meta = json.loads((ev["data"] / "meta.json").read_text())
-    _, model = load_model(args, meta, "placement", rows=4)
+    _, model = load_model(args, meta, "placement", rows=4, tokens=meta["seq_len"])
     placed = {device for name, device in model.hf_device_map.items() if name.startswith("model.layers.")}
     assert len(model._deepzero_placement_hooks) == len(model.hf_device_map) > 3 and placed == {"cpu"}
     assert sorted(n for n in model.hf_device_map if n.startswith("model.layers.")) == [
@@ -161,7 +161,7 @@ def test_the_4bit_layout_loads_the_base_in_nf4_and_evaluates(ev: dict) -> None:
 
     args = parse_job_args(job(ev, ev["root"] / "unused", "--layout", "data-parallel-4bit"), "evaluate.py")
     meta = json.loads((ev["data"] / "meta.json").read_text())
-    _, model = load_model(args, meta, "data-parallel-4bit", rows=4)
+    _, model = load_model(args, meta, "data-parallel-4bit", rows=4, tokens=meta["seq_len"])
     assert sum(isinstance(m, Linear4bit) for m in model.modules()) == 3 * 7  # q k v o gate up down, every layer
     out = ev["root"] / "nf4"
     proc = run_py("evaluate.py", job(ev, out, "--protocol", "greedy", "--layout", "data-parallel-4bit"))

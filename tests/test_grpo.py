@@ -437,7 +437,7 @@ def test_mask_truncated_completions_leaves_the_cut_rows_out_of_the_loss(mask: bo
     objective.data = SimpleNamespace(record=lambda i: {}, prompt_text=lambda i: "p", prompt=lambda i: "p")
     objective.tokenizer = SimpleNamespace(batch_decode=lambda rows, skip_special_tokens: ["x"] * len(rows))
     rewards = torch.tensor([1.0, 0.0, 0.0, 1.0])
-    objective.rewards = SimpleNamespace(names=(), score=lambda *a: (rewards, {}))
+    objective.rewards = SimpleNamespace(names=(), score_rows=lambda *a: (rewards, {}))
     prompts = {"prompt_ids": torch.tensor([[3, 4], [3, 5]]), "prompt_mask": torch.ones(2, 2), "index": torch.arange(2)}
     (batch,) = objective.generate_and_score(tiny_qwen(), prompts, accum=1)
     targets = (batch["labels"] != -100).sum(1).tolist()

@@ -30,12 +30,21 @@ import torch.distributed as dist
 from torch import nn
 
 from deepzero.data import IGNORE_INDEX
+from deepzero.distributed import every_ranks_object
 from deepzero.errors import RaisedElsewhere, UserError
 from deepzero.losses.lm import loss_normalizer
 from deepzero.losses.tiled import has_tiled_loss
-from deepzero.rollout.generation import BACKENDS, EVAL_GENERATION, PROTOCOLS, CompletionSampler, GroupSeeds, eos_ids
+from deepzero.rollout.generation import (
+    BACKENDS,
+    EVAL_GENERATION,
+    PROTOCOLS,
+    CompletionSampler,
+    GroupSeeds,
+    eos_ids,
+    truncated,
+)
 from deepzero.rollout.rewards import RewardContext
-from deepzero.rollout.scores import summarise
+from deepzero.rollout.scores import Condition, summarise
 
 LOSS_TYPES = ("dapo", "grpo", "dr_grpo", "bnpo")
 SCALES = ("group", "batch", "none")
@@ -397,21 +406,17 @@ class GRPO:
             completions = self.sampler.sample(model, rows_prompts, seeds)
         self.timer.tokens += sum(map(len, completions))
         self.seeds.generations += 1
-        records = [self.data.record(i) for i in index for _ in range(g)]
-        texts = [self.data.prompt_text(i) for i in index for _ in range(g)]
-        raw = [self.data.prompt(i) for i in index for _ in range(g)]
+        each = [i for i in index for _ in range(g)]
         context = self._reward_context(generation)
         with self.timer.phase("scoring"):
-            total, per_name = self.score(
-                texts, completions, records, [i for i in index for _ in range(g)], raw, context
-            )
+            total, per_name = self.score(self.data, each, completions, context)
         self._note_reward_logs(context, len(completions))
         device = prompts["prompt_ids"].device
         total, per_name = total.to(device), {k: v.to(device) for k, v in per_name.items()}
         batch_std = self._global_std(total) if s.scale_rewards == "batch" else None
         adv = advantages(total, g, s.scale_rewards, batch_std)
         self._note_rollout("train", total, per_name, completions, g, batch_std, rows_prompts)
-        self._keep_samples(texts, completions, total, g)
+        self._keep_samples(each, completions, total, g)
         n = len(completions)
         if n % accum:
             raise UserError("--num-generations", f"{n} completions do not split into {accum} micro-batches", "fix")
@@ -419,10 +424,7 @@ class GRPO:
         micro = []
         for k in range(accum):
             part = slice(k * size, (k + 1) * size)
-            batch = completion_rows(rows_prompts[part], completions[part], self.pad_id, device)
-            if s.mask_truncated_completions:  # TRL's: the truncated rows' tokens leave the loss and its normaliser
-                cut = torch.tensor([self.truncated(c) for c in completions[part]], device=device)
-                batch["labels"] = batch["labels"].masked_fill(cut[:, None], IGNORE_INDEX)
+            batch = self.completion_batch(rows_prompts[part], completions[part], device)
             batch["advantages"] = adv[part].float()
             micro.append(batch)
         with self.timer.phase("reference"), torch.no_grad(), _uncounted():
@@ -439,7 +441,16 @@ class GRPO:
 
     def truncated(self, completion: list[int]) -> bool:
         """Cut by the length limit: no end-of-sequence token at its end."""
-        return not completion or completion[-1] not in self.sampler.eos_ids
+        return truncated(completion, self.sampler.eos_ids)
+
+    def completion_batch(self, prompts: list[torch.Tensor], completions: list[list[int]], device: Any) -> Batch:
+        """The rows of ``completions`` after their ``prompts`` (``completion_rows``); with
+        ``mask_truncated_completions`` (TRL's) a truncated row's tokens leave the loss and its normaliser."""
+        batch = completion_rows(prompts, completions, self.pad_id, device)
+        if self.settings.mask_truncated_completions:
+            cut = torch.tensor([self.truncated(c) for c in completions], device=device)
+            batch["labels"] = batch["labels"].masked_fill(cut[:, None], IGNORE_INDEX)
+        return batch
 
     def reference_logps(self, engine: Any, batch: Batch) -> torch.Tensor:
         """log π_ref per token: the frozen copy of the starting weights, or the model with its adapters off."""
@@ -449,30 +460,18 @@ class GRPO:
             return token_logps(engine, batch, self.settings.temperature)[0]
 
     def score(
-        self,
-        prompts: list[str],
-        completions: list[list[int]],
-        records: list[dict],
-        index: list[int],
-        raw: list[Any] | None = None,
-        context: RewardContext | None = None,
+        self, data: Any, each: list[int], completions: list[list[int]], context: RewardContext
     ) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
-        """The rewards of every completion; a bad reward stops every rank with the failing rank's line."""
+        """The rewards of every completion (of prompt ``each[i]`` of ``data``); a bad reward stops every rank with
+        the failing rank's line."""
         texts = self.tokenizer.batch_decode(completions, skip_special_tokens=True)
         error = None
         total, per_name = torch.zeros(0), {}
         try:
-            total, per_name = self.rewards.score(prompts, texts, completions, records, index, raw, context)
-            if per_name:
-                all_none = torch.stack([v.float() for v in per_name.values()], 1).isnan().all(1)
-                total = total.float().masked_fill(all_none, float("nan"))
+            total, per_name = self.rewards.score_rows(data, each, texts, completions, context)
         except UserError as err:
             error = str(err)
-        errors = [error]
-        if dist.is_initialized() and dist.get_world_size() > 1:
-            errors = [None] * dist.get_world_size()
-            dist.all_gather_object(errors, error)
-        if first := next((e for e in errors if e), None):
+        if first := next((e for e in every_ranks_object(error) if e), None):
             raise RaisedElsewhere(first)
         return total.float(), {k: v.float() for k, v in per_name.items()}
 
@@ -512,19 +511,13 @@ class GRPO:
             completions = self.eval_sampler.sample(mod, rows, seeds)
         each = [i for i in index for _ in range(k)]
         context = self._reward_context(self.seeds.generations)
-        total, per_name = self.score(
-            [self.data_eval.prompt_text(i) for i in each], completions, [self.data_eval.record(i) for i in each],
-            each, [self.data_eval.prompt(i) for i in each], context,
-        )  # fmt: skip
+        total, per_name = self.score(self.data_eval, each, completions, context)
         device = batch["prompt_ids"].device
         total, per_name = total.to(device), {name: v.to(device) for name, v in per_name.items()}
         batch_std = self._global_std(total) if s.scale_rewards == "batch" else None
         self._note_rollout("eval", total, per_name, completions, k)
         self._note_outcomes(per_name, completions, context, k)
-        rows_batch = completion_rows(rows, completions, self.pad_id, device)
-        if s.mask_truncated_completions:
-            cut = torch.tensor([self.truncated(c) for c in completions], device=device)
-            rows_batch["labels"] = rows_batch["labels"].masked_fill(cut[:, None], IGNORE_INDEX)
+        rows_batch = self.completion_batch(rows, completions, device)
         rows_batch["advantages"] = advantages(total, k, s.scale_rewards, batch_std).float()
         if s.beta != 0.0:
             rows_batch["ref_logps"] = self.reference_logps(model, rows_batch)
@@ -533,16 +526,17 @@ class GRPO:
         return loss.detach(), torch.ones((), device=device)
 
     def _note_outcomes(self, per_name: dict, completions: list[list[int]], context: RewardContext, k: int) -> None:
-        """Each eval prompt's samples judged (the first reward ≥ 1) with the answer they give, for pass@k/cons@k."""
-        judge = per_name[self.rewards.names[0]].tolist()
-        answers = (context.extra.get("answer_parsed") or [None] * len(judge))[: len(judge)]
-        for start in range(0, len(judge), k):
+        """Each eval prompt's samples judged (the first reward ≥ 1, as evaluate.py's default) with the answers they
+        give, for pass@k / cons@k."""
+        judge = Condition.first_reward_at_least_one(self.rewards.names)
+        values = per_name[judge.name].tolist()
+        answers = context.answers(len(values))
+        for start in range(0, len(values), k):
             part = range(start, start + k)
             self._outcomes.append(
                 {
-                    "correct": [None if math.isnan(judge[r]) else judge[r] >= 1 for r in part],
-                    "answers": [None if answers[r] is None else str(answers[r]) for r in part],
-                    "rewards": [],
+                    "correct": [judge.verdict({judge.name: values[r]}) for r in part],
+                    "answers": [answers[r] for r in part],
                     "lengths": [len(completions[r]) for r in part],
                     "truncated": [self.truncated(completions[r]) for r in part],
                 }
@@ -551,11 +545,7 @@ class GRPO:
     def _outcome_metrics(self) -> dict[str, float]:
         """pass@1, pass@k and cons@k over every rank's eval prompts since the last eval (a collective)."""
         mine, self._outcomes = self._outcomes, []
-        everyone = [mine]
-        if dist.is_initialized() and dist.get_world_size() > 1:
-            everyone = [None] * dist.get_world_size()
-            dist.all_gather_object(everyone, mine)
-        lines = [line for part in everyone for line in part or []]
+        lines = [line for part in every_ranks_object(mine) for line in part]
         k = self.settings.eval_generations
         summary = summarise(lines, [1, k])
         return {key: float(v) for key, v in summary.items() if key.startswith(("pass@", "cons@")) and v is not None}
@@ -607,13 +597,14 @@ class GRPO:
             self._reward_metrics.setdefault(name, []).extend(values)
         self._extra = {k: v for k, v in context.extra.items() if len(v) == n}
 
-    def _keep_samples(self, prompts: list[str], completions: list[list[int]], total: torch.Tensor, g: int) -> None:
+    def _keep_samples(self, each: list[int], completions: list[list[int]], total: torch.Tensor, g: int) -> None:
+        """The first ``LOGGED_COMPLETIONS`` prompts' completions (of prompt ``each[i]``) for completions.jsonl."""
         texts = self.tokenizer.batch_decode(completions[: LOGGED_COMPLETIONS * g], skip_special_tokens=True)
         self._samples = [
-            {"prompt": prompts[i], "completion": texts[i], "reward": float(total[i])}
+            {"prompt": self.data.prompt_text(each[i]), "completion": texts[i], "reward": float(total[i])}
             | {column: values[i] for column, values in self._extra.items()}
-            for i in range(0, len(texts))
-        ][: LOGGED_COMPLETIONS * g]
+            for i in range(len(texts))
+        ]
 
     def _global_std(self, total: torch.Tensor) -> torch.Tensor:
         """nanstd of the rewards of every rank's generation batch (two all-reduces: mean, then squares)."""
@@ -669,13 +660,9 @@ class GRPO:
         """The rewards' ``log_metric`` values since the last log, each averaged over every rank's (TRL: over the
         logging step); a collective, so every rank calls it."""
         mine, self._reward_metrics = self._reward_metrics, {}
-        everyone = [mine]
-        if dist.is_initialized() and dist.get_world_size() > 1:
-            everyone = [None] * dist.get_world_size()
-            dist.all_gather_object(everyone, mine)
         merged: dict[str, list[float]] = {}
-        for part in everyone:
-            for name, values in (part or {}).items():
+        for part in every_ranks_object(mine):
+            for name, values in part.items():
                 merged.setdefault(name, []).extend(values)
         return {name: sum(v) / len(v) for name, v in sorted(merged.items()) if v}
 

@@ -248,6 +248,11 @@ def left_padded(prompts: list[torch.Tensor], pad_id: int) -> tuple[torch.Tensor,
     return ids, mask
 
 
+def truncated(completion: list[int], eos_ids: tuple[int, ...]) -> bool:
+    """Cut by the length limit: the completion does not end in an end-of-sequence token."""
+    return not completion or completion[-1] not in eos_ids
+
+
 def cut_at_eos(ids: list[int], eos_ids: tuple[int, ...]) -> list[int]:
     """``ids`` up to and including the first end-of-sequence token (generate pads the rows that stopped early)."""
     for i, token in enumerate(ids):

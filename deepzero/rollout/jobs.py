@@ -26,13 +26,13 @@ import torch.distributed as dist
 
 from deepzero.args import generation_kwargs
 from deepzero.checkpoint import write_atomic
-from deepzero.distributed import init_distributed, on_cuda
+from deepzero.distributed import every_ranks_object, init_distributed, on_cuda, rank0_decides
 from deepzero.errors import RaisedElsewhere, UserError, first_line
-from deepzero.rollout.generation import EVAL_GENERATION, GroupSeeds, HFGenerate, eos_ids
+from deepzero.rollout.generation import EVAL_GENERATION, GroupSeeds, HFGenerate, eos_ids, truncated
 from deepzero.rollout.job_args import CPU_PROMPTS_PER_CALL, JobArgs, parse_job_args
 from deepzero.rollout.layout import choose_layout, load_model
 from deepzero.rollout.rewards import RewardContext, RewardSet, parse_rewards
-from deepzero.rollout.scores import Condition, summarise
+from deepzero.rollout.scores import Condition, per_sample, summarise
 
 
 @dataclass(frozen=True)
@@ -109,18 +109,24 @@ class Job:
         self.completion_len = args.max_completion_length or self.data.max_completion_length
         self.rewards: RewardSet = parse_rewards(args.reward, self.completion_len)
         self.rewards.check_fields(self.data.meta.get("record_fields", []), args.data)
-        self.correct = Condition.parse(args.correct or f"{self.rewards.names[0]}>=1", self.rewards.names, "--correct")
+        names = self.rewards.names
+        self.correct = (
+            Condition.parse(args.correct, names, "--correct")
+            if args.correct
+            else Condition.first_reward_at_least_one(names)
+        )
         self.keep = Condition.parse(args.keep, self.rewards.names, "--keep") if kind == "sample" else None
         count = min(len(self.data), args.limit or len(self.data))
         if count == 0:
             raise UserError(args.data, f"has no {args.split} prompts", "prepare with --val-fraction, or pass --split")
-        done, error = set(), None
-        if self.rank == 0:  # one rank reads and writes the job's files; the others learn what it found
+
+        def start() -> tuple[set[int], str | None]:  # one rank reads and writes the job's files
             try:
-                done = self.files.start(args.settings(), args.resume)
+                return self.files.start(args.settings(), args.resume), None
             except UserError as err:
-                error = str(err)
-        done, error = _from_rank0((done, error))
+                return set(), str(err)
+
+        done, error = rank0_decides(start)
         if error:
             raise RaisedElsewhere(error)
         self.todo = [i for i in range(count) if i not in done]
@@ -133,7 +139,9 @@ class Job:
                 f"one copy of the model spans every card ({self.layout.reason}), so one process drives them",
                 f"run python {kind}.py with the same flags, without the deepspeed launcher",
             )
-        self.tokenizer, self.model = load_model(args, self.data.meta, self.layout.name, rows or 1)
+        self.tokenizer, self.model = load_model(
+            args, self.data.meta, self.layout.name, rows or 1, self.data.max_prompt_len + self.completion_len
+        )
         self.sampler = HFGenerate(
             self.completion_len, eos_ids(self.tokenizer, self.model), self.data.pad_id, args.temperature or 1.0,
             args.top_p, rows, args.top_k, args.min_p, args.repetition_penalty, generation_kwargs(args.generation_kwargs),
@@ -156,10 +164,7 @@ class Job:
                 lines = self.lines_of(part)
             except UserError as err:
                 error = str(err)
-            everyone = [(lines, error)]
-            if self.world > 1:
-                everyone = [None] * self.world
-                dist.all_gather_object(everyone, (lines, error))
+            everyone = every_ranks_object((lines, error))
             if first := next((e for _, e in everyone if e), None):
                 raise RaisedElsewhere(first)
             if self.rank == 0:
@@ -194,54 +199,44 @@ class Job:
         self.generation_s += time.perf_counter() - start  # generate returns the tokens: the device is done
         self.generated += sum(map(len, completions))
         texts = self.tokenizer.batch_decode(completions, skip_special_tokens=True)
-        records = [self.data.record(i) for i in indices for _ in range(k)]
-        rendered = [self.data.prompt_text(i) for i in indices for _ in range(k)]
-        raw = [self.data.prompt(i) for i in indices for _ in range(k)]
         context = RewardContext()
-        total, per_name = self.rewards.score(
-            rendered, texts, completions, records, [i for i in indices for _ in range(k)], raw, context
-        )
-        answers = (context.extra.get("answer_parsed") or [None] * len(texts))[: len(texts)]
+        each = [i for i in indices for _ in range(k)]
+        total, per_name = self.rewards.score_rows(self.data, each, texts, completions, context)
+        answers = context.answers(len(texts))
         out = []
         for n, index in enumerate(indices):
             rows_ = range(n * k, (n + 1) * k)
             scores = {name: [_number(v[r]) for r in rows_] for name, v in per_name.items()}
             rewards = [_number(total[r]) for r in rows_]
-            each = [{"reward": rewards[j]} | {name: s[j] for name, s in scores.items()} for j in range(k)]
             out.append(
                 {
                     "index": index,
-                    "prompt": raw[n * k],
+                    "prompt": self.data.prompt(index),
                     "completions": [texts[r] for r in rows_],
                     "rewards": rewards,
                     "scores": scores,
-                    "answers": [None if answers[r] is None else str(answers[r]) for r in rows_],
-                    "correct": [None if e[self.correct.name] is None else self.correct(e) for e in each],
+                    "answers": [answers[r] for r in rows_],
+                    "correct": [self.correct.verdict(sample) for sample in per_sample(rewards, scores)],
                     "lengths": [len(completions[r]) for r in rows_],
-                    "truncated": [self.sampler_cut(completions[r]) for r in rows_],
+                    "truncated": [truncated(completions[r], self.sampler.eos_ids) for r in rows_],
                 }
             )
         return out
-
-    def sampler_cut(self, completion: list[int]) -> bool:
-        """Cut at the length limit: it does not end in an end-of-sequence token."""
-        return not completion or completion[-1] not in self.sampler.eos_ids
 
     def run_figures(self) -> dict[str, Any]:
         """This invocation's layout and speed over every rank (a collective): completion tokens per second (all
         ranks' tokens over the slowest rank's generating time) and, on CUDA, the fullest card's peak against the
         planner's."""
-        sums = torch.tensor([float(self.generated), self.generation_s], dtype=torch.float64)
-        peak = torch.tensor([torch.cuda.max_memory_allocated() / 2**30 if on_cuda() else 0.0], dtype=torch.float64)
+        tokens = torch.tensor(float(self.generated), dtype=torch.float64)
+        seconds = torch.tensor(self.generation_s, dtype=torch.float64)
+        peak = torch.tensor(torch.cuda.max_memory_allocated() / 2**30 if on_cuda() else 0.0, dtype=torch.float64)
         if self.world > 1:
-            tokens, seconds = sums.clone(), sums.clone()
             dist.all_reduce(tokens)
             dist.all_reduce(seconds, op=dist.ReduceOp.MAX)
             dist.all_reduce(peak, op=dist.ReduceOp.MAX)
-            sums = torch.stack([tokens[0], seconds[1]])
         figures = {"layout": self.layout.name, "why": self.layout.reason, "ranks": self.world}
         figures |= {"prompts_per_call": self.per_call, "rows_per_call": self.layout.rows}
-        figures["generation_tokens_per_s"] = sums[0].item() / sums[1].item() if sums[1] > 0 else None
+        figures["generation_tokens_per_s"] = tokens.item() / seconds.item() if seconds > 0 else None
         if on_cuda():
             figures["peak_gpu_mem_gib"] = peak.item()
             planned = self.layout.planned_bytes
@@ -281,9 +276,7 @@ def write_chat(lines: list[dict[str, Any]], keep: Condition, per_prompt: int, pa
     for line in lines:
         seen: set[str] = set()
         kept = 0
-        each = [
-            {"reward": r} | {name: s[j] for name, s in line["scores"].items()} for j, r in enumerate(line["rewards"])
-        ]
+        each = per_sample(line["rewards"], line["scores"])
         passing[sum(keep(scores) for scores in each)] += 1
         for j, text in enumerate(line["completions"]):
             if not keep(each[j]):
@@ -314,15 +307,6 @@ def write_chat(lines: list[dict[str, Any]], keep: Condition, per_prompt: int, pa
 
 def _messages(prompt: Any) -> list[dict[str, str]]:
     return list(prompt) if isinstance(prompt, list) else [{"role": "user", "content": str(prompt)}]
-
-
-def _from_rank0(value: Any) -> Any:
-    """Rank 0's ``value`` on every rank."""
-    if not (dist.is_initialized() and dist.get_world_size() > 1):
-        return value
-    box = [value]
-    dist.broadcast_object_list(box, src=0)
-    return box[0]
 
 
 def _number(x: torch.Tensor) -> float | None:

@@ -14,6 +14,7 @@ from deepzero import modeling
 from deepzero.distributed import on_cuda
 from deepzero.errors import UserError
 from deepzero.plan.arch import model_stats
+from deepzero.precision import TORCH_DTYPES
 from deepzero.rollout.job_args import JobArgs
 
 MOST_ROWS = 512
@@ -49,11 +50,11 @@ def choose_layout(args: JobArgs, prompt_len: int, completion_len: int) -> Layout
     return Layout(plan.mode, plan.rows_per_call, plan.reason, plan.allocated_bytes)
 
 
-def load_model(args: JobArgs, meta: dict[str, Any], layout: str, rows: int) -> tuple[Any, torch.nn.Module]:
+def load_model(args: JobArgs, meta: dict[str, Any], layout: str, rows: int, tokens: int) -> tuple[Any, torch.nn.Module]:
     """The tokenizer (the data's, checked against the model's own) and the pretrained model in eval mode: a copy on
     this rank's device, or its layers over every card (``deepzero.placement``, each layer's reserve its KV cache of
-    ``rows`` rows; on the CPU three "cpu" cards), the base in NF4 for the -4bit layouts (accelerate's map, each
-    card's budget less its KV cache and working set)."""
+    ``rows`` rows of ``tokens`` prompt + completion tokens; on the CPU three "cpu" cards), the base in NF4 for the
+    -4bit layouts (accelerate's map, each card's budget less its KV cache and working set)."""
     from deepzero.run import check_data_tokenizer, plan_tokenizer
 
     source = modeling.resolve_model(args.model)
@@ -61,20 +62,19 @@ def load_model(args: JobArgs, meta: dict[str, Any], layout: str, rows: int) -> t
         raise UserError(f"--model {args.model}", "is a random-init preset: nothing to evaluate", "pass a trained model")
     tokenizer = plan_tokenizer(args, meta)
     check_data_tokenizer(args, meta, source)
-    dtype = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}.get(args.dtype)
-    dtype = dtype or (torch.bfloat16 if on_cuda() else torch.float32)
+    precision = args.dtype if args.dtype != "auto" else ("bf16" if on_cuda() else "fp32")
+    dtype = TORCH_DTYPES[precision]
     config = modeling.load_config(source, args.trust_remote_code)
     device = torch.device("cuda", int(os.environ.get("LOCAL_RANK", "0"))) if on_cuda() else torch.device("cpu")
     quant = None
     if layout.endswith("4bit"):
         from deepzero.adapters.quant import FourBit
 
-        compute = {torch.bfloat16: "bf16", torch.float16: "fp16"}.get(dtype, "fp32")
-        quant = FourBit(compute, "uint8").bnb_config()
+        quant = FourBit(precision, "uint8").bnb_config()
     if layout == "placement-4bit":  # accelerate's map, each card's budget less its share of the KV cache
         model = modeling.build_model(
             source, config, dtype=dtype, trust_remote_code=args.trust_remote_code, quantization_config=quant,
-            device_map="auto", max_memory=_weights_budget(args, meta, config, rows),
+            device_map="auto", max_memory=_weights_budget(args, config, rows, meta["max_prompt_len"], tokens),
         )  # fmt: skip
         return tokenizer, model.eval()
     model = modeling.build_model(
@@ -86,20 +86,20 @@ def load_model(args: JobArgs, meta: dict[str, Any], layout: str, rows: int) -> t
         from deepzero.plan.generation import kv_layer_bytes
 
         cards = list(range(torch.cuda.device_count())) if on_cuda() else ["cpu"] * 3
-        tokens = meta["max_prompt_len"] + (args.max_completion_length or meta["max_completion_length"])
         reserve = kv_layer_bytes(model_stats(config, args.model), rows, tokens, dtype.itemsize)
         apply_placement(model, plan_placement(config, cards, dtype=dtype, reserve_per_layer_bytes=reserve))
         return tokenizer, model.eval()
     return tokenizer, (model if quant is not None else model.to(device)).eval()
 
 
-def _weights_budget(args: JobArgs, meta: dict[str, Any], config: Any, rows: int) -> dict[int, int]:
-    """Per card: its memory less the planner's KV cache, working set and logits of ``rows`` rows there, and 1 GiB
-    of CUDA context."""
+def _weights_budget(args: JobArgs, config: Any, rows: int, prompt_len: int, tokens: int) -> dict[int, int]:
+    """Per card: its memory less the planner's KV cache, working set and logits of ``rows`` rows there (prompts of
+    ``prompt_len``, ``tokens`` with the completion), and the CUDA context."""
     from deepzero.plan.evaluation import card_bytes
+    from deepzero.plan.memory import CUDA_RESERVE
 
     cards = torch.cuda.device_count()
     total = torch.cuda.get_device_properties(0).total_memory
-    completion = args.max_completion_length or meta["max_completion_length"]
-    held = card_bytes(model_stats(config, args.model), cards, rows, meta["max_prompt_len"], completion, four_bit=True)
-    return {k: total - (c.kv_cache + c.working + c.logits) - 2**30 for k, c in enumerate(held)}
+    stats = model_stats(config, args.model)
+    held = card_bytes(stats, cards, rows, prompt_len, tokens - prompt_len, four_bit=True)
+    return {k: total - (c.kv_cache + c.working + c.logits) - CUDA_RESERVE for k, c in enumerate(held)}

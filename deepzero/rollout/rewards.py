@@ -162,6 +162,21 @@ class RewardSet:
         total[torch.isnan(per).all(dim=1)] = torch.nan
         return total, each
 
+    def score_rows(
+        self,
+        data: Any,
+        indices: Sequence[int],
+        completions: list[str],
+        completion_ids: list[list[int]],
+        context: RewardContext | None = None,
+    ) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
+        """:meth:`score` of completions of a prompts split's rows (``data``: a ``PromptDataset``; ``indices``: each
+        completion's prompt), with each prompt as rendered, as given, and its record's fields."""
+        return self.score(
+            [data.prompt_text(i) for i in indices], completions, completion_ids, [data.record(i) for i in indices],
+            indices, [data.prompt(i) for i in indices], context,
+        )  # fmt: skip
+
     def _run(
         self,
         r: Reward,
@@ -232,6 +247,12 @@ class RewardContext:
 
     def log_metric(self, name: str, value: float) -> None:
         self.metrics.setdefault(name, []).append(float(value))
+
+    def answers(self, n: int) -> list[str | None]:
+        """The answers the first reward logging ``answer_parsed`` extracted from the ``n`` completions (TRL's
+        accuracy rewards and ``exact`` do; cons@k votes on them), or ``n`` Nones."""
+        logged = self.extra.get("answer_parsed") or [None] * n
+        return [None if a is None else str(a) for a in logged[:n]]
 
     def kwargs(self) -> dict[str, Any]:
         state = SimpleNamespace(global_step=self.global_step)

@@ -77,18 +77,34 @@ class Condition:
             raise UserError(f"{flag} {text}", f"'{name}' is no reward of this run", f"name one of {known}")
         return cls(name, op, value)
 
+    @classmethod
+    def first_reward_at_least_one(cls, names: Sequence[str]) -> Condition:
+        """The default judge of correct: the first reward gives at least 1 (R1's binary accuracy)."""
+        return cls(names[0], ">=", 1.0)
+
     def __call__(self, rewards: dict[str, float | None]) -> bool:
         """True when the sample's value passes; a reward that gave None passes nothing."""
         value = rewards.get(self.name)
         return value is not None and not math.isnan(value) and _OPS[self.op](value, self.value)
 
+    def verdict(self, rewards: dict[str, float | None]) -> bool | None:
+        """:meth:`__call__`, or None where the reward it reads gave None (the sample is not judged)."""
+        value = rewards.get(self.name)
+        return None if value is None or math.isnan(value) else self(rewards)
+
     def __str__(self) -> str:
         return f"{self.name}{self.op}{self.value:g}"
 
 
+def per_sample(rewards: Sequence[float | None], scores: dict[str, Sequence[float | None]]) -> list[dict]:
+    """Each sample's values a condition reads: ``reward`` (the weighted total) and each reward by its name."""
+    return [{"reward": r} | {name: values[j] for name, values in scores.items()} for j, r in enumerate(rewards)]
+
+
 def summarise(lines: Sequence[dict], ks: Sequence[int]) -> dict[str, float | int | None]:
-    """The summary over per-prompt lines (``correct``: one bool or None per sample; ``answers``; ``rewards``;
-    ``lengths``; ``truncated``): prompts with no scored sample are counted, not averaged."""
+    """The summary over per-prompt lines (``correct``: one bool or None per sample; ``answers``; ``lengths``;
+    ``truncated``; ``rewards`` where the mean reward is wanted): prompts with no scored sample are counted, not
+    averaged."""
     scored = [line for line in lines if any(ok is not None for ok in line["correct"])]
     out: dict[str, float | int | None] = {"prompts": len(lines), "prompts_unscored": len(lines) - len(scored)}
     samples = min((len(line["correct"]) for line in lines), default=0)
@@ -102,7 +118,7 @@ def summarise(lines: Sequence[dict], ks: Sequence[int]) -> dict[str, float | int
     with_answers = [line for line in scored if any(a not in (None, *NO_ANSWER) for a in line["answers"])]
     cons = [consensus_correct(line["answers"], line["correct"]) for line in scored] if with_answers else []
     out[f"cons@{samples}"] = sum(cons) / len(cons) if cons else None
-    totals = [r for line in lines for r in line["rewards"] if r is not None and not math.isnan(r)]
+    totals = [r for line in lines for r in line.get("rewards", ()) if r is not None and not math.isnan(r)]
     out["mean_reward"] = sum(totals) / len(totals) if totals else None
     lengths = [n for line in lines for n in line["lengths"]]
     cut = [t for line in lines for t in line["truncated"]]
