@@ -23,6 +23,7 @@ import secrets
 import shutil
 import time
 import zipfile
+from collections.abc import Iterable
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -75,10 +76,11 @@ def tag_for(step: int) -> str:
     return f"step{step:08d}"
 
 
-def write_atomic(path: Path, text: str) -> None:
+def write_atomic(path: Path, text: str | Iterable[str]) -> None:
+    """``text`` (or its pieces, written as they come) published at ``path`` whole or not at all."""
     tmp = path.with_name(f".{path.name}.tmp")
     with tmp.open("w") as f:
-        f.write(text)
+        f.writelines([text] if isinstance(text, str) else text)
         f.flush()
         os.fsync(f.fileno())
     os.replace(tmp, path)

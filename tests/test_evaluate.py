@@ -274,3 +274,31 @@ def test_every_documented_evaluate_and_sample_command_parses() -> None:
                     parse_job_args(words[words.index(script) + 1 :], script)
                     found += 1
     assert found >= 2  # docs/evaluate.md: one of each
+
+
+def test_the_summary_and_the_chat_file_stream_a_job_many_times_larger_than_their_memory(tmp_path: Path) -> None:
+    """A finished job's 2,000 prompts × 8 completions of 2,000 characters (33 MB of lines): summary.json's figures
+    and sample.py's chat file are made a line at a time, the Python heap's peak a small part of the file."""
+    import tracemalloc
+
+    from deepzero.rollout.jobs import JobFiles, write_chat
+    from deepzero.rollout.scores import Condition, summarise
+
+    files = JobFiles.of(str(tmp_path / "round.jsonl"), "sample")
+    with files.samples.open("w") as fh:
+        for i in range(2000):
+            texts = [f"{i}-{j}-" + "x" * 2000 for j in range(8)]
+            rewards = [float(j % 2) for j in range(8)]
+            line = {"index": i, "prompt": f"q{i}", "completions": texts, "rewards": rewards, "scores": {}}
+            line |= {"answers": [str(j % 3) for j in range(8)], "correct": [r >= 1 for r in rewards]}
+            fh.write(json.dumps(line | {"lengths": [500] * 8, "truncated": [False] * 8}) + "\n")
+    size = files.samples.stat().st_size
+    tracemalloc.start()
+    summary = summarise(files.lines(), [1, 8])
+    figures = write_chat(files.lines(), Condition("reward", ">=", 1.0), 2, files.chat)
+    _, peak = tracemalloc.get_traced_memory()
+    tracemalloc.stop()
+    assert size > 30 * 2**20 and peak < size / 20, (size, peak)
+    assert summary["prompts"] == 2000 and summary["pass@1"] == pytest.approx(0.5) and summary["pass@8"] == 1.0
+    assert figures["written"] == 4000 and figures["acceptance_rate"] == 0.5
+    assert len(files.chat.read_text().splitlines()) == 4000

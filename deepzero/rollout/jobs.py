@@ -16,7 +16,7 @@ import os
 import sys
 import time
 from collections import Counter
-from collections.abc import Iterator
+from collections.abc import Iterable, Iterator
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Literal
@@ -245,12 +245,12 @@ class Job:
 
     def finish(self, figures: dict[str, Any]) -> dict[str, Any]:
         """Rank 0: summary.json from every line (and sample.py's chat JSONL), with this invocation's ``figures``
-        under ``run``; returns the summary."""
-        lines = sorted(self.files.lines(), key=lambda x: x["index"])
-        summary = summarise(lines, self.args.pass_k) | {"correct": str(self.correct), **self.args.settings()}
-        summary["run"] = figures
+        under ``run``; returns the summary. The lines are streamed from the file (in index order: each call appends
+        a contiguous run of the prompts still to do, sorted), never held together."""
+        summary = summarise(self.files.lines(), self.args.pass_k)
+        summary |= {"correct": str(self.correct), **self.args.settings(), "run": figures}
         if self.keep is not None:
-            summary |= write_chat(lines, self.keep, self.args.per_prompt, self.files.chat)
+            summary |= write_chat(self.files.lines(), self.keep, self.args.per_prompt, self.files.chat)
         write_atomic(self.files.summary, json.dumps(summary, indent=2))
         return summary
 
@@ -265,41 +265,44 @@ class Job:
         )
 
 
-def write_chat(lines: list[dict[str, Any]], keep: Condition, per_prompt: int, path: Path | None) -> dict[str, Any]:
+def write_chat(lines: Iterable[dict[str, Any]], keep: Condition, per_prompt: int, path: Path | None) -> dict[str, Any]:
     """The kept completions as chat SFT records (the prompt's messages, then the completion as the assistant turn),
-    identical completions once, up to ``per_prompt`` a prompt; returns the acceptance figures (overall, and how many
-    prompts had 0, 1, ... passing samples)."""
+    identical completions once, up to ``per_prompt`` a prompt, written as the lines stream in; returns the
+    acceptance figures (overall, and how many prompts had 0, 1, ... passing samples)."""
     assert path is not None
-    written, passed, duplicates, none = 0, 0, 0, 0
-    records = []
+    counts: Counter[str] = Counter()  # written, passed, duplicates, prompts with none kept, samples
     passing: Counter[int] = Counter()  # prompts by their number of passing samples
-    for line in lines:
-        seen: set[str] = set()
-        kept = 0
-        each = per_sample(line["rewards"], line["scores"])
-        passing[sum(keep(scores) for scores in each)] += 1
-        for j, text in enumerate(line["completions"]):
-            if not keep(each[j]):
-                continue
-            passed += 1
-            if text in seen:
-                duplicates += 1
-                continue
-            seen.add(text)
-            if kept < per_prompt:
-                records.append({"messages": [*_messages(line["prompt"]), {"role": "assistant", "content": text}]})
-                kept += 1
-        written += kept
-        none += kept == 0
+
+    def records() -> Iterator[str]:
+        for line in lines:
+            seen: set[str] = set()
+            kept = 0
+            each = per_sample(line["rewards"], line["scores"])
+            passing[sum(keep(scores) for scores in each)] += 1
+            counts["samples"] += len(line["completions"])
+            for j, text in enumerate(line["completions"]):
+                if not keep(each[j]):
+                    continue
+                counts["passed"] += 1
+                if text in seen:
+                    counts["duplicates"] += 1
+                    continue
+                seen.add(text)
+                if kept < per_prompt:
+                    messages = [*_messages(line["prompt"]), {"role": "assistant", "content": text}]
+                    yield json.dumps({"messages": messages}, ensure_ascii=False) + "\n"
+                    kept += 1
+            counts["written"] += kept
+            counts["none"] += kept == 0
+
     path.parent.mkdir(parents=True, exist_ok=True)
-    write_atomic(path, "".join(json.dumps(r, ensure_ascii=False) + "\n" for r in records))
-    total = sum(len(line["completions"]) for line in lines)
+    write_atomic(path, records())
     return {
         "keep": str(keep),
-        "written": written,
-        "acceptance_rate": passed / total if total else None,
-        "duplicates_dropped": duplicates,
-        "prompts_with_none_kept": none,
+        "written": counts["written"],
+        "acceptance_rate": counts["passed"] / counts["samples"] if counts["samples"] else None,
+        "duplicates_dropped": counts["duplicates"],
+        "prompts_with_none_kept": counts["none"],
         "prompts_by_passing_samples": {str(k): passing[k] for k in sorted(passing)},
         "chat_file": str(path),
     }

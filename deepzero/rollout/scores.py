@@ -16,7 +16,7 @@ import math
 import operator
 import re
 from collections import Counter
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass
 
 from deepzero.errors import UserError
@@ -101,29 +101,42 @@ def per_sample(rewards: Sequence[float | None], scores: dict[str, Sequence[float
     return [{"reward": r} | {name: values[j] for name, values in scores.items()} for j, r in enumerate(rewards)]
 
 
-def summarise(lines: Sequence[dict], ks: Sequence[int]) -> dict[str, float | int | None]:
+def summarise(lines: Iterable[dict], ks: Sequence[int]) -> dict[str, float | int | None]:
     """The summary over per-prompt lines (``correct``: one bool or None per sample; ``answers``; ``lengths``;
     ``truncated``; ``rewards`` where the mean reward is wanted): prompts with no scored sample are counted, not
-    averaged."""
-    scored = [line for line in lines if any(ok is not None for ok in line["correct"])]
-    out: dict[str, float | int | None] = {"prompts": len(lines), "prompts_unscored": len(lines) - len(scored)}
-    samples = min((len(line["correct"]) for line in lines), default=0)
-    for k in sorted(set(ks)):
-        values = []
-        for line in scored:
-            judged = [ok for ok in line["correct"] if ok is not None]
-            if k <= len(judged):
-                values.append(pass_at_k(len(judged), sum(judged), k))
-        out[f"pass@{k}"] = sum(values) / len(values) if values else None
-    with_answers = [line for line in scored if any(a not in (None, *NO_ANSWER) for a in line["answers"])]
-    cons = [consensus_correct(line["answers"], line["correct"]) for line in scored] if with_answers else []
-    out[f"cons@{samples}"] = sum(cons) / len(cons) if cons else None
-    totals = [r for line in lines for r in line.get("rewards", ()) if r is not None and not math.isnan(r)]
-    out["mean_reward"] = sum(totals) / len(totals) if totals else None
-    lengths = [n for line in lines for n in line["lengths"]]
-    cut = [t for line in lines for t in line["truncated"]]
-    out["mean_length"] = sum(lengths) / len(lengths) if lengths else None
-    out["max_length"] = max(lengths, default=None)
-    out["truncated_share"] = sum(cut) / len(cut) if cut else None
-    out["samples_per_prompt"] = samples
+    averaged. One pass, a line at a time: a job's lines are read from its file, never held together."""
+    ks = sorted(set(ks))
+    prompts = scored = 0
+    samples: int | None = None
+    passes: dict[int, list[float]] = {k: [0.0, 0] for k in ks}
+    cons, any_answer = 0, False
+    reward_sum, rewards, length_sum, lengths, longest, cut = 0.0, 0, 0, 0, None, 0
+    for line in lines:
+        prompts += 1
+        samples = len(line["correct"]) if samples is None else min(samples, len(line["correct"]))
+        judged = [ok for ok in line["correct"] if ok is not None]
+        if judged:
+            scored += 1
+            for k in ks:
+                if k <= len(judged):
+                    passes[k][0] += pass_at_k(len(judged), sum(judged), k)
+                    passes[k][1] += 1
+            cons += consensus_correct(line["answers"], line["correct"])
+            any_answer = any_answer or any(a not in (None, *NO_ANSWER) for a in line["answers"])
+        for r in line.get("rewards", ()):
+            if r is not None and not math.isnan(r):
+                reward_sum, rewards = reward_sum + r, rewards + 1
+        length_sum, lengths = length_sum + sum(line["lengths"]), lengths + len(line["lengths"])
+        if line["lengths"]:
+            longest = max(line["lengths"]) if longest is None else max(longest, *line["lengths"])
+        cut += sum(line["truncated"])
+    out: dict[str, float | int | None] = {"prompts": prompts, "prompts_unscored": prompts - scored}
+    for k, (total, count) in passes.items():
+        out[f"pass@{k}"] = total / count if count else None
+    out[f"cons@{samples or 0}"] = cons / scored if scored and any_answer else None
+    out["mean_reward"] = reward_sum / rewards if rewards else None
+    out["mean_length"] = length_sum / lengths if lengths else None
+    out["max_length"] = longest
+    out["truncated_share"] = cut / lengths if lengths else None
+    out["samples_per_prompt"] = samples or 0
     return out
