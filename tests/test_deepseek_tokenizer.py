@@ -171,8 +171,9 @@ def test_prepare_chat_writes_uint32_rows_with_assistant_only_targets(chat_data: 
 
 
 def test_dropping_earlier_turns_reasoning_would_break_prepare_s_prefix_rule(tok_dir: Path, tmp_path: Path) -> None:
-    """Why every turn keeps its <think> block: rendering that strips reasoning from all but the last assistant turn
-    (what R1 is shown at inference) renders a conversation's prefix differently from the whole; prepare refuses."""
+    """A template unknown to TRL that strips reasoning from all but the last assistant turn renders a conversation's
+    prefix differently from the whole: prepare refuses in one line naming --chat-template (tests/test_chat_templates.py
+    has the R1-Distill template itself)."""
     r1 = tmp_path / "r1-style"
     shutil.copytree(tok_dir, r1)
     template = (r1 / "chat_template.jinja").read_text(encoding="utf-8")
@@ -181,7 +182,7 @@ def test_dropping_earlier_turns_reasoning_would_break_prepare_s_prefix_rule(tok_
     assert stripped != template
     (r1 / "chat_template.jinja").write_text(stripped, encoding="utf-8")
     (tmp_path / "chats.jsonl").write_text("".join(json.dumps({"messages": CHATS[i]}) + "\n" for i in (1, 3)))
-    with pytest.raises(UserError, match="prefix"):
+    with pytest.raises(UserError, match=r"prefix.*--chat-template r1-distill-training"):
         prepare([str(tmp_path / "chats.jsonl")], tmp_path / "out", tokenizer=str(r1), seq_len=128, val_fraction=0.5)
 
 

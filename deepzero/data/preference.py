@@ -28,9 +28,11 @@ from typing import Any
 
 import numpy as np
 import torch
+from jinja2.exceptions import TemplateError
 from torch.utils.data import default_collate
 from transformers import PreTrainedTokenizerBase
 
+from deepzero.data.chat_render import refused
 from deepzero.data.dataset import MASK_START, MASK_TARGET, PackedDataset, meta_header
 from deepzero.data.sources import Chat, input_files, iter_records
 from deepzero.data.tokenizer import identity, train_tokenizer_from_texts
@@ -144,16 +146,10 @@ class PairEncoder:
 
     def render(self, messages: Chat, add_generation_prompt: bool = False) -> str:
         """The conversation as the chat template writes it; a template's refusal is one line naming the tokenizer."""
-        from jinja2.exceptions import TemplateError
-
         try:
             return self.tok.apply_chat_template(messages, tokenize=False, add_generation_prompt=add_generation_prompt)
         except TemplateError as err:
-            raise UserError(
-                f"--tokenizer {self.name}",
-                f"its chat template refused a conversation ({str(err).strip().splitlines()[0] if str(err) else err!r})",
-                "give the roles the template accepts (DeepSeek: system first, then user/assistant turns)",
-            ) from None
+            raise refused(self.name, err) from None
 
     def tokens(self, text: str) -> list[int]:
         """``text``'s ids after the tokenizer's prefix (not doubled when the text already starts with it)."""

@@ -46,10 +46,10 @@ from pathlib import Path
 from typing import Any, NoReturn
 
 import numpy as np
-from jinja2.exceptions import TemplateError
 from tqdm import tqdm
 from transformers import AutoTokenizer, PreTrainedTokenizerBase
 
+from deepzero.data.chat_render import ChatRenderer, chat_renderer
 from deepzero.data.dataset import (
     FORMAT_VERSION,
     MASK_START,
@@ -59,7 +59,6 @@ from deepzero.data.dataset import (
     meta_header,
 )
 from deepzero.data.sources import (
-    NOT_TRAINED,
     Chat,
     Doc,
     Format,
@@ -133,13 +132,15 @@ def prepare(
     val_inputs: Sequence[str] = (),
     max_completion_length: int | None = None,
     columns: dict[str, str] | None = None,
+    chat_template: str | None = None,
 ) -> dict[str, Any]:
     """Build ``out`` (see module docstring) unless it is already up to date; return its ``meta.json`` contents.
 
     The val split is ``val_inputs``' documents when given, else drawn from ``inputs`` by hash with ``val_fraction``
     (default ``DEFAULT_VAL_FRACTION``); giving both is an error. ``max_completion_length`` (``--format prompts``
     only; default ``seq_len // 2``) is the part of ``seq_len`` left to the generated completion. ``columns`` maps the
-    fields a format reads to the input's field names (``{"prompt": "question"}``)."""
+    fields a format reads to the input's field names (``{"prompt": "question"}``). ``chat_template`` (a name or a
+    file) renders chat data instead of the tokenizer's training template (:mod:`deepzero.data.chat_render`)."""
     out = Path(out)
     workers = workers or len(os.sched_getaffinity(0))
     val_fraction = _val_fraction(val_fraction, val_inputs)
@@ -148,6 +149,10 @@ def prepare(
     settings: dict[str, Any] = {"shard_mb": shard_mb, "skip_bad": skip_bad}
     if columns:
         settings["columns"] = columns
+    if chat_template:
+        settings["chat_template"] = chat_template
+        if Path(chat_template).is_file():
+            settings["chat_template_sha256"] = _sha(Path(chat_template).read_text(encoding="utf-8"))
     if max_completion_length is not None:
         settings["max_completion_length"] = max_completion_length
     if tokenizer == "train":
@@ -197,7 +202,8 @@ def prepare(
         check_tokenizer(tok, tokenizer, chat)
         dtype = np.dtype(np.uint16 if len(tok) < 2**16 else np.uint32)
         prefix = doc_prefix(tok)
-        encoder = _Encoder(tok, tokenizer, chat, seed, val_fraction, dtype.name, prefix)
+        renderer = chat_renderer(tok, tokenizer, chat_template) if chat else None
+        encoder = _Encoder(tok, renderer, seed, val_fraction, dtype.name, prefix)
         layout = Layout(tmp, seq_len + 1, dtype, max(1, int(shard_mb * 2**20) // ((seq_len + 1) * dtype.itemsize)))
         pad = tok.pad_token_id if tok.pad_token_id is not None else tok.eos_token_id
         with _Progress(total_bytes) as progress:
@@ -212,6 +218,7 @@ def prepare(
             "n_dropped": {s: v.n_dropped for s, v in stats.items()},
             "shards": {s: v.shards for s, v in stats.items()},
             "mask_bits": {"target": MASK_TARGET, "doc_start": MASK_START} if chat else None,
+            "chat_template": renderer and {"source": renderer.source, "sha256": _sha(renderer.template)},
             **Provenance(
                 tok_ref, inputs, val_inputs, columns, val_fraction, seed, fingerprint, start, identity(tok)
             ).meta(bad),
@@ -225,6 +232,10 @@ def prepare(
         shutil.rmtree(tmp, ignore_errors=True)
     print(_summary(meta, out, progress, workers))
     return meta
+
+
+def _sha(text: str) -> str:
+    return hashlib.sha256(text.encode()).hexdigest()[:16]
 
 
 def _chain(first: Doc, rest: Iterator[Doc]) -> Iterator[Doc]:
@@ -462,8 +473,8 @@ class _Encoder:
     """What a worker needs to turn a batch of documents into token ids, per split."""
 
     tok: PreTrainedTokenizerBase
-    name: str
-    chat: bool
+    renderer: ChatRenderer | None
+    """Chat data's renderer (None: plain text)."""
     seed: int
     val_fraction: float | None
     dtype: str
@@ -477,9 +488,10 @@ class _Encoder:
         out = {}
         for name in ("train", "val"):
             part = [v for v, s in zip(values, split, strict=True) if s == name]
-            pieces = _encode_chats(self.tok, self.name, part, self.prefix) if self.chat else self._encode_texts(part)
+            chat = self.renderer is not None
+            pieces = _encode_chats(self.renderer, part, self.prefix) if chat else self._encode_texts(part)
             ids = np.concatenate([p for p, _ in pieces]) if pieces else np.zeros(0, self.dtype)
-            mask = np.concatenate([m for _, m in pieces]) if self.chat and pieces else None
+            mask = np.concatenate([m for _, m in pieces]) if chat and pieces else None
             out[name] = _Encoded(ids.astype(self.dtype, copy=False), [len(p) for p, _ in pieces], mask)
         return out
 
@@ -516,14 +528,15 @@ def _encode(tok: PreTrainedTokenizerBase, texts: list[str]) -> list[list[int]]:
 
 
 def _encode_chats(
-    tok: PreTrainedTokenizerBase, name: str, chats: list[Chat], prefix: tuple[int, ...] = ()
+    renderer: ChatRenderer, chats: list[Chat], prefix: tuple[int, ...] = ()
 ) -> list[tuple[np.ndarray, np.ndarray]]:
-    """Token ids and a mask per conversation: bit 0 on tokens that start inside an assistant turn, bit 1 on the
-    conversation's first token. ``prefix`` goes first unless the rendering already starts with it (a template that
-    writes ``bos_token``)."""
+    """Token ids and a mask per conversation: bit 0 on tokens that start inside a target assistant turn
+    (:mod:`deepzero.data.chat_render`), bit 1 on the conversation's first token. ``prefix`` goes first unless the
+    rendering already starts with it (a template that writes ``bos_token``)."""
     if not chats:
         return []
-    rendered = [_assistant_spans(tok, name, chat) for chat in chats]
+    tok = renderer.tok
+    rendered = [renderer.spans(chat) for chat in chats]
     encodings = tok.backend_tokenizer.encode_batch([text for text, _ in rendered], add_special_tokens=False)
     out = []
     for enc, (_, spans) in zip(encodings, rendered, strict=True):
@@ -539,40 +552,6 @@ def _encode_chats(
             mask[0] |= MASK_START
         out.append((ids, mask))
     return out
-
-
-def _assistant_spans(tok: PreTrainedTokenizerBase, name: str, chat: Chat) -> tuple[str, list[tuple[int, int]]]:
-    """The rendered conversation and the character spans of its assistant turns.
-
-    Turn ``i`` spans from the end of ``render(chat[:i], add_generation_prompt=True)`` to the end of
-    ``render(chat[: i + 1])``, which needs a template whose renderings of prefixes are prefixes of each other.
-    """
-
-    def render(messages: Chat, add_generation_prompt: bool = False) -> str:
-        try:
-            return tok.apply_chat_template(messages, tokenize=False, add_generation_prompt=add_generation_prompt)
-        except TemplateError as err:
-            raise UserError(
-                f"--tokenizer {name}",
-                f"its chat template refused a conversation ({str(err).strip().splitlines()[0] if str(err) else err!r})",
-                "give the roles the template accepts (DeepSeek: system first, then user/assistant turns)",
-            ) from None
-
-    full = render(chat)
-    spans = []
-    for i, message in enumerate(chat):
-        if message["role"] != "assistant" or message.get(NOT_TRAINED):
-            continue
-        before, through = render(chat[:i], add_generation_prompt=True), render(chat[: i + 1])
-        if not (through.startswith(before) and full.startswith(through)):
-            raise UserError(
-                f"--tokenizer {name}",
-                "its chat template renders a conversation's prefix differently from the whole, "
-                "so assistant turns cannot be located",
-                "use --tokenizer train or a tokenizer whose chat template only appends turns",
-            )
-        spans.append((len(before), len(through)))
-    return full, spans
 
 
 _Task = tuple[int, list[str | Chat], str | None]
@@ -860,6 +839,12 @@ def _parser() -> argparse.ArgumentParser:
         default=None,
         help="FIELD=INPUT_FIELD,...: read a format's field from another input field (e.g. prompt=question)",
     )
+    p.add_argument(
+        "--chat-template",
+        default=None,
+        help="chat data: render with this template (r1-distill-training, deepseek-v3-training, or a Jinja file) instead"
+        " of the tokenizer's (TRL's training variant where TRL has one); see docs/sft.md",
+    )
     p.add_argument("--vocab-size", type=int, default=4096, help="vocabulary size with --tokenizer train")
     p.add_argument("--seed", type=int, default=0, help="seed of the train/val split")
     p.add_argument("--force", action="store_true", help="rebuild even if up to date")
@@ -896,6 +881,7 @@ def main(argv: Sequence[str] | None = None) -> int:
             val_inputs=args.val_input,
             max_completion_length=args.max_completion_length,
             columns=parse_columns(args.columns),
+            chat_template=args.chat_template,
         )
     except UserError as e:
         print(f"error: {e}", file=sys.stderr)
