@@ -23,7 +23,7 @@ from typing import Any
 from jinja2.exceptions import TemplateError
 from transformers import PreTrainedTokenizerBase
 
-from deepzero.data.sources import NOT_TRAINED, Chat
+from deepzero.data.record_shapes import NOT_TRAINED, Chat
 from deepzero.errors import UserError
 
 THINK_END = "</think>"

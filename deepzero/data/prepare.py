@@ -91,7 +91,7 @@ IN_FLIGHT_PER_WORKER = 4
 """Batches submitted ahead per worker: enough to keep them busy, few enough to bound memory."""
 DEFAULT_SHARD_MB = 256
 DEFAULT_VAL_FRACTION = 0.02
-FORMATS = ("auto", "text", "chat", "preference", "prompts")
+FORMATS = ("auto", "text", "chat", "alpaca", "sharegpt", "preference", "prompts")
 TOKENIZER_SAMPLE_MB = 64
 _FLUSH_TOKENS = 1 << 22
 _TOKENIZER_SUFFIXES = frozenset({".json", ".jinja", ".txt", ".model", ".tiktoken"})
@@ -824,7 +824,8 @@ def _parser() -> argparse.ArgumentParser:
         "--format",
         default="auto",
         choices=list(FORMATS),
-        help="plain text, chat SFT (messages, or prompt/completion), preference pairs (prompt/chosen/rejected"
+        help="plain text, chat SFT (messages, ShareGPT conversations, Alpaca instruction/input/output, or"
+        " prompt/completion; detected), alpaca or sharegpt by name, preference pairs (prompt/chosen/rejected"
         " JSONL), or prompts (GRPO: prompt + fields for the rewards)",
     )
     p.add_argument(

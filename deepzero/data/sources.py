@@ -20,18 +20,13 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Literal
 
+from deepzero.data.record_shapes import FIX_RECORD, Chat, Format, pick_fields, record_doc, wanted
 from deepzero.data.tokenizer import stdlib_corpus
 from deepzero.errors import UserError
 
 TEXT_SUFFIXES = (".txt", ".py", ".md")
-Chat = list[dict[str, str]]
-Format = Literal["auto", "text", "chat"]
 OnBad = Callable[[UserError], None]
 _FIX_SPEC = "pass a .txt/.py/.md/.jsonl/.parquet file, a folder, 'stdlib', or hf:NAME[:CONFIG][:SPLIT]"
-_FIX_RECORD = (
-    'give each record "text": "...", "messages": [{"role": ..., "content": ...}, ...], or "prompt" and "completion"'
-    " (strings or message lists), or map your field names with --columns"
-)
 _FIX_BAD = "fix or remove it, or pass --skip-bad to skip (and count) bad input"
 _PARQUET_BATCH = 1024
 
@@ -175,14 +170,14 @@ def iter_records(
         for f in input_files(spec, flag):
             if f.suffix not in (".jsonl", ".parquet"):
                 raise UserError(
-                    f"{flag} {spec}", f"{f} is not .jsonl or .parquet: this format reads records", _FIX_RECORDS
+                    f"{flag} {spec}", f"{f} is not .jsonl or .parquet: this format reads records", FIX_RECORDS
                 )
     for spec in specs:
         for record, where, nbytes in _raw_records(spec, on_bad):
             yield Record(rename(record, columns or {}), where, nbytes)
 
 
-_FIX_RECORDS = "pass .jsonl or .parquet files, folders of them, or hf:NAME[:CONFIG][:SPLIT]"
+FIX_RECORDS = "pass .jsonl or .parquet files, folders of them, or hf:NAME[:CONFIG][:SPLIT]"
 
 
 def _raw_records(spec: str, on_bad: OnBad) -> Iterator[tuple[dict[str, Any], str, int]]:
@@ -269,12 +264,12 @@ def _read_spec(spec: str, fmt: Format, on_bad: OnBad, columns: dict[str, str]) -
         if f.suffix == ".jsonl":
             for record, where, nbytes in _jsonl_records(f, on_bad):
                 try:
-                    yield Doc(_record_doc(rename(record, columns), where, fmt), where, nbytes)
+                    yield Doc(record_doc(rename(record, columns), where, fmt), where, nbytes)
                 except UserError as e:
                     on_bad(e)
         elif f.suffix == ".parquet":
             yield from _parquet_docs(f, fmt, on_bad, columns)
-        elif fmt == "chat":
+        elif fmt not in ("auto", "text"):
             raise UserError(str(f), "a plain text file cannot be a chat", "use JSONL with a 'messages' field per line")
         else:
             text = _read_text(f, strict=spec != "stdlib", on_bad=on_bad)
@@ -335,9 +330,9 @@ def _parquet_docs(path: Path, fmt: Format, on_bad: OnBad, columns: dict[str, str
         on_bad(UserError(str(path), f"cannot be read as parquet ({e})", _FIX_BAD))
         return
     names = set(pf.schema_arrow.names)
-    fields = _pick_fields(set(rename(dict.fromkeys(names), columns)), fmt)
+    fields = pick_fields(set(rename(dict.fromkeys(names), columns)), fmt)
     if fields is None:
-        raise UserError(str(path), f"has no {_wanted(fmt, 'column')} (columns: {sorted(names)})", _FIX_RECORD)
+        raise UserError(str(path), f"has no {wanted(fmt, 'column')} (columns: {sorted(names)})", FIX_RECORD)
     per_row = path.stat().st_size // max(1, pf.metadata.num_rows)
     row = 0
     for batch in pf.iter_batches(columns=[columns.get(f, f) for f in fields], batch_size=_PARQUET_BATCH):
@@ -345,7 +340,7 @@ def _parquet_docs(path: Path, fmt: Format, on_bad: OnBad, columns: dict[str, str
             where = f"{path} row {row}"
             row += 1
             try:
-                yield Doc(_record_doc(rename(record, columns), where, fmt), where, per_row)
+                yield Doc(record_doc(rename(record, columns), where, fmt), where, per_row)
             except UserError as e:
                 on_bad(e)
 
@@ -359,14 +354,14 @@ def _hf_docs(hub: HubDataset, where: str, fmt: Format, on_bad: OnBad, columns: d
         raise UserError(where, f"could not load the dataset ({type(e).__name__}: {e})", _FIX_SPEC) from e
     if first is None:
         return
-    fields = _pick_fields(set(rename(first, columns)), fmt)
+    fields = pick_fields(set(rename(first, columns)), fmt)
     if fields is None:
-        raise UserError(where, f"has no {_wanted(fmt, 'column')} (columns: {sorted(first)})", _FIX_RECORD)
+        raise UserError(where, f"has no {wanted(fmt, 'column')} (columns: {sorted(first)})", FIX_RECORD)
     for i, record in enumerate(_chain_first(first, rows)):
         row_where = f"{where} row {i}"
         try:
             renamed = rename(record, columns)
-            value = _record_doc({f: renamed.get(f) for f in fields}, row_where, fmt)
+            value = record_doc({f: renamed.get(f) for f in fields}, row_where, fmt)
         except UserError as e:
             on_bad(e)
             continue
@@ -376,67 +371,3 @@ def _hf_docs(hub: HubDataset, where: str, fmt: Format, on_bad: OnBad, columns: d
 def _chain_first(first: Any, rest: Iterator[Any]) -> Iterator[Any]:
     yield first
     yield from rest
-
-
-_PROMPT_COMPLETION = ("prompt", "completion")
-
-
-def _pick_fields(keys: set[str], fmt: Format) -> tuple[str, ...] | None:
-    """The fields a record's document is read from: ``text`` or ``messages``, else for chat TRL's prompt-completion
-    layout (``prompt`` and ``completion``); None when the record has none of them."""
-    order = {"auto": ("messages", "text"), "text": ("text",), "chat": ("messages",)}[fmt]
-    field = next((k for k in order if k in keys), None)
-    if field is not None:
-        return (field,)
-    if fmt != "text" and set(_PROMPT_COMPLETION) <= keys:
-        return _PROMPT_COMPLETION
-    return None
-
-
-def _wanted(fmt: Format, kind: str) -> str:
-    """``'text' or 'messages' field (nor 'prompt' and 'completion')``: what a record of ``fmt`` lacks."""
-    names = {"auto": "'text' or 'messages'", "text": "'text'", "chat": "'messages'"}[fmt]
-    return f"{names} {kind}" + ("" if fmt == "text" else " (nor 'prompt' and 'completion')")
-
-
-def _record_doc(record: dict[str, Any], where: str, fmt: Format) -> str | Chat:
-    fields = _pick_fields(set(record), fmt)
-    if fields is None:
-        raise UserError(where, f"record has no {_wanted(fmt, 'field')} (keys: {sorted(record)})", _FIX_RECORD)
-    if fields == _PROMPT_COMPLETION:
-        return _prompt_completion(record["prompt"], record["completion"], where)
-    field, value = fields[0], record[fields[0]]
-    if field == "text":
-        if not isinstance(value, str):
-            raise UserError(where, f"'text' is {type(value).__name__}, not a string", _FIX_RECORD)
-        return value
-    if not isinstance(value, list) or not value or not all(_is_message(m) for m in value):
-        raise UserError(where, "'messages' is not a non-empty list of {role, content} strings", _FIX_RECORD)
-    return [{"role": m["role"], "content": m["content"]} for m in value]
-
-
-def _prompt_completion(prompt: Any, completion: Any, where: str) -> Chat:
-    """TRL's prompt-completion SFT record as a conversation: a string prompt is a user turn and a string completion
-    an assistant turn (message lists are kept). Only the completion is trained: the prompt's own assistant turns
-    (a multi-turn prompt) carry ``NOT_TRAINED``, which the chat path leaves out of the targets."""
-    turns = []
-    for name, value, role in (("prompt", prompt, "user"), ("completion", completion, "assistant")):
-        if isinstance(value, str) and value.strip():
-            turns.append([{"role": role, "content": value}])
-        elif isinstance(value, list) and value and all(_is_message(m) for m in value):
-            turns.append([{"role": m["role"], "content": m["content"]} for m in value])
-        else:
-            raise UserError(
-                where, f"'{name}' is neither a non-empty string nor a list of {{role, content}}", _FIX_RECORD
-            )
-    if not any(m["role"] == "assistant" for m in turns[1]):
-        raise UserError(where, "'completion' has no assistant message", 'give it {"role": "assistant", ...} turns')
-    return [{**m, NOT_TRAINED: True} if m["role"] == "assistant" else m for m in turns[0]] + turns[1]
-
-
-NOT_TRAINED = "not_trained"
-"""A message key set on a prompt-completion record's prompt turns: an assistant turn there is not a target."""
-
-
-def _is_message(m: Any) -> bool:
-    return isinstance(m, dict) and isinstance(m.get("role"), str) and isinstance(m.get("content"), str)
