@@ -15,9 +15,8 @@ from typing import Any
 
 import torch
 import torch.distributed as dist
-from tqdm.auto import tqdm
 
-from deepzero import checkpoint, quiet, report, universal
+from deepzero import checkpoint, progress, quiet, report, universal
 from deepzero.args import parse_args
 from deepzero.data import GlobalBatchSampler, make_eval_loader, make_train_loader
 from deepzero.distributed import all_reduce_max, exit_process, mean_and_max, report_user_error
@@ -93,7 +92,7 @@ def train_loop(run: Run, batches: Iterator[Batch]) -> None:
     """The loop: one optimizer step per iteration, and a wait for the device only at log/eval/save points."""
     args, engine = run.args, run.engine
     stop = StopRequest()
-    bar = tqdm(total=args.max_steps, initial=run.state.step, disable=None if run.is_main else True, unit="step")
+    bar = progress.bar(args.max_steps, show=run.is_main, initial=run.state.step, unit="step")
     loss_sum = torch.zeros((), device=engine.device)
     bad_streak = torch.zeros((), dtype=torch.int64, device=engine.device)  # consecutive steps with non-finite loss
     window = Window(engine.synchronize)

@@ -46,9 +46,9 @@ from pathlib import Path
 from typing import Any, NoReturn
 
 import numpy as np
-from tqdm import tqdm
 from transformers import AutoTokenizer, PreTrainedTokenizerBase
 
+from deepzero import progress
 from deepzero.data.chat_render import ChatRenderer, chat_renderer
 from deepzero.data.dataset import (
     FORMAT_VERSION,
@@ -426,7 +426,9 @@ class _Progress:
     def __init__(self, total_bytes: int | None) -> None:
         self.n_bytes = self.n_tokens = 0
         self.start, self.cpu_start = time.perf_counter(), _cpu_seconds()
-        self.bar = tqdm(total=total_bytes, desc="prepare", unit="B", unit_scale=True, unit_divisor=1000, smoothing=0.1)
+        self.bar = progress.bar(
+            total_bytes, tty_only=False, desc="prepare", unit="B", unit_scale=True, unit_divisor=1000, smoothing=0.1
+        )
 
     def __enter__(self) -> _Progress:
         return self

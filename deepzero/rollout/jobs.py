@@ -13,7 +13,6 @@ from __future__ import annotations
 import json
 import math
 import os
-import sys
 import time
 from collections import Counter
 from collections.abc import Iterable, Iterator
@@ -318,11 +317,9 @@ def _number(x: torch.Tensor) -> float | None:
 
 
 def _progress(todo: int, count: int, rank: int) -> Any:
-    from tqdm import tqdm
+    from deepzero import progress
 
-    return tqdm(
-        total=count, initial=count - todo, unit="prompt", disable=rank != 0 or not sys.stderr.isatty(), file=sys.stderr
-    )
+    return progress.bar(count, show=rank == 0, initial=count - todo, unit="prompt")
 
 
 def main(argv: list[str] | None, kind: Literal["evaluate", "sample"]) -> int:
