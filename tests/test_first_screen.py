@@ -45,7 +45,16 @@ def run_under_pty(cmd: list[str], env: dict[str, str], timeout: float) -> tuple[
 def test_rank_0_draws_a_progress_bar_under_a_terminal(tiny_data: Path, tmp_path: Path) -> None:
     launcher = str(Path(sys.executable).parent / "deepspeed")
     cmd = [launcher, "--log_level=error", "--num_gpus=2", f"--master_port={free_port()}", "train.py"]
-    cmd += ["--data", str(tiny_data), "--out", str(tmp_path / "run"), "--max-steps", "3", "--ds", "train_batch_size=auto"]
+    cmd += [
+        "--data",
+        str(tiny_data),
+        "--out",
+        str(tmp_path / "run"),
+        "--max-steps",
+        "3",
+        "--ds",
+        "train_batch_size=auto",
+    ]
     cmd += ["--log-interval", "3", "--eval-interval", "0", "--save-interval", "0", "--no-export"]
     code, screen = run_under_pty(cmd, cpu_env(), 300)
     assert code == 0, screen[-3000:]
