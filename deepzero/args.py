@@ -55,7 +55,18 @@ class TrainArgs:
             " preset, else 3e-5. The run header says which lr won and where it came from."
         ),
     )
+    epochs: float | None = field(
+        default=None,
+        **_help(
+            "Train this many passes over the train split instead of --max-steps (steps from the data and the global"
+            " batch; GRPO: batch / --num-generations prompts a step). See docs/schedules.md."
+        ),
+    )
     warmup_steps: int | None = field(default=None, **_help("Override the scheduler's warmup_num_steps."))
+    warmup_ratio: float | None = field(
+        default=None,
+        **_help("Warm-up as a share of the run's steps (ceil(ratio x steps), as TRL's warmup_ratio); e.g. 0.03."),
+    )
     lr_schedule: Literal["constant", "cosine", "linear"] | None = field(
         default=None,
         **_help(
@@ -291,6 +302,10 @@ class TrainArgs:
                     if name == "warmup_steps"
                     else "pass a larger number",
                 )
+        if self.epochs is not None and not (math.isfinite(self.epochs) and self.epochs > 0):
+            raise UserError("--epochs", f"must be a positive number, got {self.epochs}", "pass e.g. --epochs 3")
+        if self.warmup_ratio is not None and not 0 < self.warmup_ratio < 1:
+            raise UserError("--warmup-ratio", f"must be in (0, 1), got {self.warmup_ratio}", "pass e.g. 0.03")
         if self.lr is not None and not (math.isfinite(self.lr) and self.lr > 0):
             raise UserError("--lr", f"must be a positive number, got {self.lr}", "pass e.g. --lr 3e-5")
         for name in ("eval_interval", "save_interval", "seed"):

@@ -27,6 +27,7 @@ from deepzero import (
     moe_balance,
     preemption,
     report,
+    schedule,
     universal,
 )
 from deepzero import sequence_parallel as sp
@@ -125,6 +126,8 @@ def plan_run(args: TrainArgs, world: int) -> RunPlan:
     default_lr, default_lr_source = None, "the fine-tuning default"
     if from_scratch:
         default_lr, default_lr_source = preset.pretrain_lr, f"model preset {args.model}, random init"
+    elif args.lora is not None:
+        default_lr, default_lr_source = schedule.lora_default_lr(meta.get("format") == "prompts")
     elif meta.get("format") == "prompts":  # GRPO
         default_lr, default_lr_source = methods.grpo.GRPO_LR, "TRL 1.16's GRPO default"
     hints = dsconfig.TrainingHints(  # the preset's lr is what "lr": "auto" means; a number in the JSON wins
@@ -151,7 +154,20 @@ def plan_run(args: TrainArgs, world: int) -> RunPlan:
     settings = methods.grpo.engine(settings, grpo, args.seed)
     sequence = sequence_size(settings)
     overrides = [*args.ds, f"sequence_parallel_size={sequence}"] if sequence > 1 else args.ds  # zero.Init reads it
-    cfg = dsconfig.resolve(args.deepspeed_config, settings.dp_size(world), hints, overrides, precision=args.precision)
+    from_data = args.epochs is not None or args.warmup_ratio is not None  # steps need the batch: resolved twice
+    probe = dataclasses.replace(hints, max_steps=2**31 - 1) if from_data else hints  # the batch; no schedule check
+    cfg = dsconfig.resolve(args.deepspeed_config, settings.dp_size(world), probe, overrides, precision=args.precision)
+    if from_data:
+        planned = schedule.steps(
+            args.max_steps, args.warmup_steps, args.epochs, args.warmup_ratio, meta, cfg.batch.global_batch,
+            grpo.num_generations if grpo else None,
+        )  # fmt: skip
+        args.max_steps = planned.max_steps  # the run's steps from here on: setup, the loop and the header read it
+        warmup = planned.warmup_steps or hints.warmup_steps  # a random-init preset's own warm-up, unless a ratio
+        hints = dataclasses.replace(hints, max_steps=planned.max_steps, warmup_steps=warmup)
+        cfg = dsconfig.resolve(args.deepspeed_config, settings.dp_size(world), hints, overrides, args.precision)
+    if warning := schedule.never_peaks(cfg.ds.get("scheduler"), args.max_steps):
+        warn(warning)
     settings.check_batch(cfg.batch)
     four_bit = plan_four_bit(args, settings, cfg, source, config)
     if four_bit is not None:

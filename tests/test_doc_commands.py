@@ -91,7 +91,10 @@ def test_a_documented_command_fits_3_cards_of_24_gib(
     monkeypatch.setattr(run, "check_fit", capture)  # without CUDA it would plan nothing: asked again below
     monkeypatch.setattr(run, "check_disk", lambda *args, **kwargs: None)
     monkeypatch.setattr(huggingface_hub.constants, "HF_HUB_OFFLINE", True)  # no hub here: no request, no retries
+    warnings: list[str] = []
+    monkeypatch.setattr(run, "warn", warnings.append)
     run.plan_run(parse_args(argv), 3)
     assert planned, where
+    assert not [w for w in warnings if "never reaches its peak" in w], f"{where}: {warnings}"
     warning = real_check(*planned["args"], **planned["kwargs"] | {"gpu_mem_gb": 24, "cpu_mem_gb": 128})
     assert warning is None, f"{where}: {warning}"

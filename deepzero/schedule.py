@@ -1,0 +1,74 @@
+"""How long a run trains and how its learning rate gets to the peak: ``--epochs``, ``--warmup-ratio``, the default
+lr of a LoRA run, and the one-line warning when a schedule never reaches its peak.
+
+- ``--epochs E``: steps = ceil(E × samples / samples per step), where a step takes the global batch (sequences or
+  preference pairs) or, for GRPO, global batch ÷ ``--num-generations`` prompts (TRL counts a GRPO batch in
+  completions). It replaces ``--max-steps``.
+- ``--warmup-ratio R``: ceil(R × steps) warm-up steps, as Transformers' ``TrainingArguments.get_warmup_steps``.
+- LoRA: ``"lr": "auto"`` is 2e-4 for SFT, pre-training and preference tuning (the QLoRA paper's and TRL's LoRA
+  examples' lr for 7B-70B) and 1e-5 for GRPO (TRL's "LoRA without regret" guide: about ten times the full fine-tune's
+  1e-6); a full fine-tune of a checkpoint keeps 3e-5 (GRPO: TRL's 1e-6).
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+from typing import Any
+
+from deepzero.errors import UserError
+
+LORA_LR = 2e-4
+LORA_GRPO_LR = 1e-5
+
+
+@dataclass(frozen=True)
+class Steps:
+    """The run's optimizer steps and warm-up."""
+
+    max_steps: int
+    warmup_steps: int | None
+
+
+def lora_default_lr(grpo: bool) -> tuple[float, str]:
+    """What ``"lr": "auto"`` trains a LoRA/QLoRA run at, and why."""
+    if grpo:
+        return LORA_GRPO_LR, "the LoRA GRPO default (TRL's LoRA guide: ~10x the full fine-tune's 1e-6)"
+    return LORA_LR, "the LoRA default (QLoRA paper and TRL's LoRA examples)"
+
+
+def steps(
+    max_steps: int,
+    warmup_steps: int | None,
+    epochs: float | None,
+    warmup_ratio: float | None,
+    meta: dict[str, Any],
+    global_batch: int,
+    num_generations: int | None,
+) -> Steps:
+    """The run's steps from ``--epochs`` (else ``--max-steps``) and its warm-up from ``--warmup-ratio`` (else
+    ``--warmup-steps``); ``meta`` is the data's meta.json."""
+    if warmup_steps is not None and warmup_ratio is not None:
+        raise UserError("--warmup-ratio", "given with --warmup-steps", "pass one of them")
+    if epochs is not None:
+        per_step = max(1, global_batch // num_generations) if num_generations else global_batch
+        samples = int(meta["n_rows"]["train"]) // (2 if meta.get("format") == "preference" else 1)
+        max_steps = max(1, math.ceil(epochs * samples / per_step))
+    if warmup_ratio is not None:
+        warmup_steps = math.ceil(warmup_ratio * max_steps)
+    return Steps(max_steps, warmup_steps)
+
+
+def never_peaks(scheduler: dict[str, Any] | None, max_steps: int) -> str | None:
+    """A warning line when the schedule's warm-up is not over before the run ends, else None."""
+    params = (scheduler or {}).get("params", {})
+    warmup = params.get("warmup_num_steps")
+    if not isinstance(warmup, int) or warmup < max_steps:
+        return None
+    share = ""
+    if params.get("warmup_type", "log") == "linear":
+        share = f" (the lr ends at {max_steps / warmup:.0%} of its peak)"
+    return (
+        f"lr: the warm-up ({warmup} steps) is not over by the run's last step ({max_steps}), so the schedule never"
+        f" reaches its peak{share}. Fix: pass --warmup-ratio 0.03 (or --warmup-steps N below {max_steps})"
+    )
