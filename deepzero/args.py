@@ -6,7 +6,8 @@ import argparse
 import difflib
 import json
 import math
-from dataclasses import asdict, dataclass, field
+import sys
+from dataclasses import asdict, dataclass, field, fields
 from pathlib import Path
 from typing import Any, Literal
 
@@ -25,6 +26,13 @@ def _help(text: str, **kw) -> dict:
 class TrainArgs:
     """Everything a training run needs besides the DeepSpeed JSON (which owns batch, optimizer and precision)."""
 
+    config: str | None = field(
+        default=None,
+        **_help(
+            "A recipe: a YAML or JSON mapping of these flags (recipes/*.yaml; keys as the flags, - or _); flags given"
+            " on the command line override it, unknown keys are refused."
+        ),
+    )
     deepspeed_config: str = field(
         default="ds_configs/zero2.json", **_help("DeepSpeed JSON preset (ds_configs/*.json).")
     )
@@ -377,10 +385,49 @@ def generation_kwargs(text: str | None) -> dict[str, Any]:
 _KWARGS_EXAMPLE = """pass an object, e.g. '{"no_repeat_ngram_size": 3}'"""
 
 
+def recipe_argv(argv: list[str]) -> list[str]:
+    """The flags a ``--config FILE`` in ``argv`` stands for (none without one); unknown keys are one line."""
+    path = next((a.split("=", 1)[1] for a in argv if a.startswith("--config=")), None)
+    if path is None and "--config" in argv[:-1]:
+        path = argv[argv.index("--config") + 1]
+    if path is None:
+        return []
+    try:
+        text = Path(path).read_text(encoding="utf-8")
+    except OSError as err:
+        raise UserError(
+            f"--config {path}", f"cannot be read ({err.strerror})", "pass a recipe file (recipes/)"
+        ) from None
+    import yaml
+
+    try:
+        values = yaml.safe_load(text) if Path(path).suffix in (".yaml", ".yml") else json.loads(text)
+    except (yaml.YAMLError, json.JSONDecodeError) as err:
+        raise UserError(path, f"is not valid YAML/JSON ({str(err).splitlines()[0]})", "fix the file") from None
+    if not isinstance(values, dict):
+        raise UserError(path, "is not a mapping of flags", "write key: value lines (see recipes/)")
+    known = {f.name for f in fields(TrainArgs)} - {"config"}
+    out = []
+    for key, value in values.items():
+        name = str(key).replace("-", "_")
+        if name not in known:
+            close = difflib.get_close_matches(name, sorted(known), n=1)
+            raise UserError(
+                path, f"unknown key '{key}'", f"did you mean '{close[0]}'?" if close else "see python train.py --help"
+            )
+        if value is None:
+            continue
+        items = value if isinstance(value, list) else [value]
+        out += [f"--{name}", *(str(v).lower() if isinstance(v, bool) else str(v) for v in items)]
+    return out
+
+
 def parse_args(argv: list[str] | None = None) -> TrainArgs:
     """Parse the command line; unknown flags are an error, not silently ignored."""
     from transformers import HfArgumentParser
 
+    argv = list(sys.argv[1:] if argv is None else argv)
+    argv = [*recipe_argv(argv), *argv]  # a recipe's values first: the command line's own flags come later and win
     parser = HfArgumentParser(TrainArgs, description="Train a DeepSeek-family model with DeepSpeed ZeRO.")
     parser.error = _flag_error  # argparse prints usage and its own error line, then exits: make it ours
     for action in parser._actions:  # --ds a=1 --ds b=2 keeps both (argparse's nargs="+" keeps only the last)

@@ -190,3 +190,22 @@ def test_three_ranks_train_on_the_reasoning_traces(r1: dict) -> None:
     )  # fmt: skip
     curve = [r["loss"] for r in records(out)]
     assert len(curve) == 4 and curve[-1] < curve[0]
+
+
+def test_gsm8k_prompts_in_r1_s_math_template_end_with_the_prefill(r1: dict, tmp_path: Path) -> None:
+    """GSM8K's layout (question, answer) with --prompt-template r1-math: the user turn carries R1's instruction, the
+    rendered prompt ends with the shipped <think> prefill, and the reward reads the gold from the record."""
+    rows = [{"question": f"Tom has {i} apples and buys 2. How many?", "answer": f"{i}+2={i + 2}\n#### {i + 2}"}
+            for i in range(12)]  # fmt: skip
+    (tmp_path / "g.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
+    prepare(
+        [str(tmp_path / "g.jsonl")], tmp_path / "g", tokenizer=str(r1["model"]), seq_len=96, fmt="prompts",
+        val_fraction=0.2, max_completion_length=32, columns={"prompt": "question"}, prompt_template="r1-math",
+    )  # fmt: skip
+    lines = [json.loads(x) for x in (tmp_path / "g" / "train.records.jsonl").read_text().splitlines()]
+    assert lines and all(x["text"].endswith("<｜Assistant｜><think>\n") for x in lines)
+    assert all("put your final answer within \\boxed{}" in x["prompt"][0]["content"] for x in lines)
+    assert all(x["fields"]["answer"].startswith(x["prompt"][0]["content"].split()[2]) for x in lines)
+    with pytest.raises(UserError, match="--prompt-template"):
+        prepare([str(tmp_path / "g.jsonl")], tmp_path / "h", tokenizer=str(r1["model"]), seq_len=96, fmt="prompts",
+                columns={"prompt": "question"}, prompt_template="no placeholder")  # fmt: skip

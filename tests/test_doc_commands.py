@@ -69,6 +69,17 @@ def rows(tmp_path_factory: pytest.TempPathFactory) -> Path:
     )
 
 
+@pytest.fixture(scope="module")
+def prompt_rows(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """GRPO's stand-in: prompts of 1,536 tokens with 1,024 left to the completion (grpo.md's prepare line)."""
+    root = tmp_path_factory.mktemp("doc_prompts")
+    (root / "p.jsonl").write_text(
+        "".join(f'{{"prompt": "What is {i} + {i}?", "answer": "{2 * i}"}}\n' for i in range(200))
+    )
+    return prepare(root / "data", "--tokenizer", "train", "--vocab-size", "300", "--format", "prompts",
+                   "--max-completion-length", "1024", inputs=[root / "p.jsonl"], seq_len=1536)  # fmt: skip
+
+
 def test_the_docs_show_commands_for_every_model_size() -> None:
     models = {argv[argv.index("--model") + 1] for _, argv in COMMANDS}
     assert {"deepseek-r1-distill-qwen-7b", "deepseek-r1-distill-qwen-32b", "deepseek-r1-distill-llama-70b"} <= models
@@ -77,10 +88,10 @@ def test_the_docs_show_commands_for_every_model_size() -> None:
 
 @pytest.mark.parametrize("where, argv", COMMANDS, ids=[w for w, _ in COMMANDS])
 def test_a_documented_command_fits_3_cards_of_24_gib(
-    where: str, argv: list[str], rows: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+    where: str, argv: list[str], rows: Path, prompt_rows: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     argv = list(argv)
-    argv[argv.index("--data") + 1] = str(rows)
+    argv[argv.index("--data") + 1] = str(prompt_rows if "--reward" in argv else rows)
     argv[argv.index("--out") + 1] = str(tmp_path / "run")
     planned: dict = {}
     real_check = run.check_fit

@@ -133,6 +133,7 @@ def prepare(
     max_completion_length: int | None = None,
     columns: dict[str, str] | None = None,
     chat_template: str | None = None,
+    prompt_template: str | None = None,
 ) -> dict[str, Any]:
     """Build ``out`` (see module docstring) unless it is already up to date; return its ``meta.json`` contents.
 
@@ -149,6 +150,8 @@ def prepare(
     settings: dict[str, Any] = {"shard_mb": shard_mb, "skip_bad": skip_bad}
     if columns:
         settings["columns"] = columns
+    if prompt_template:
+        settings["prompt_template"] = prompt_template
     if chat_template:
         settings["chat_template"] = chat_template
         if Path(chat_template).is_file():
@@ -176,8 +179,9 @@ def prepare(
 
         args = (seq_len, max_completion_length, val_fraction, vocab_size, seed, skip_bad, fingerprint)
         return prepare_prompts(
-            inputs, out, loaded, tokenizer, *args, val_inputs=val_inputs, columns=columns, shard_mb=shard_mb
-        )
+            inputs, out, loaded, tokenizer, *args, val_inputs=val_inputs, columns=columns, shard_mb=shard_mb,
+            prompt_template=prompt_template,
+        )  # fmt: skip
     total_bytes = input_bytes([*inputs, *val_inputs])
     out.parent.mkdir(parents=True, exist_ok=True)
     remove_stale_temps(out)
@@ -848,6 +852,13 @@ def _parser() -> argparse.ArgumentParser:
         help="chat data: render with this template (r1-distill-training, deepseek-v3-training, or a Jinja file) instead"
         " of the tokenizer's (TRL's training variant where TRL has one); see docs/sft.md",
     )
+    p.add_argument(
+        "--prompt-template",
+        default=None,
+        help="--format prompts: wrap each prompt as a user turn of this template, rendered with the tokenizer's chat"
+        " template: r1-math (R1's 'Please reason step by step, and put your final answer within \\boxed{}.') or"
+        " text with {prompt}",
+    )
     p.add_argument("--vocab-size", type=int, default=4096, help="vocabulary size with --tokenizer train")
     p.add_argument("--seed", type=int, default=0, help="seed of the train/val split")
     p.add_argument("--force", action="store_true", help="rebuild even if up to date")
@@ -885,6 +896,7 @@ def main(argv: Sequence[str] | None = None) -> int:
             max_completion_length=args.max_completion_length,
             columns=parse_columns(args.columns),
             chat_template=args.chat_template,
+            prompt_template=args.prompt_template,
         )
     except UserError as e:
         print(f"error: {e}", file=sys.stderr)

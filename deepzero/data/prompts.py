@@ -25,7 +25,7 @@ import os
 import shutil
 import time
 from collections.abc import Iterator, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Any
 
@@ -58,6 +58,34 @@ _FIX_RECORD = (
     'write {"prompt": "..." or [{"role": ..., "content": ...}], other fields...}, or map a field with'
     " --columns prompt=FIELD"
 )
+
+
+PROMPT_TEMPLATES = {"r1-math": "{prompt}\nPlease reason step by step, and put your final answer within \\boxed{}."}
+"""``--prompt-template`` names. ``r1-math``: the instruction DeepSeek's R1 usage notes give for math (and its evaluations
+use), so the answer comes boxed where math-verify's ``accuracy`` reads it."""
+
+
+def apply_template(prompt: Prompt, template: str | None) -> Prompt:
+    """``prompt`` as a user turn of ``template`` (a :data:`PROMPT_TEMPLATES` name, or text with ``{prompt}``): a
+    string prompt becomes that one user message, a message list has its last user message rewritten."""
+    if template is None:
+        return prompt
+    text = PROMPT_TEMPLATES.get(template, template)
+    if "{prompt}" not in text:
+        raise UserError(
+            f"--prompt-template {template}",
+            "is neither a known name nor text with {prompt}",
+            f"use {', '.join(PROMPT_TEMPLATES)} or e.g. '{{prompt}} Answer briefly.'",
+        )
+    if isinstance(prompt.value, str):
+        return replace(prompt, value=[{"role": "user", "content": text.replace("{prompt}", prompt.value)}])
+    last = max((i for i, m in enumerate(prompt.value) if m["role"] == "user"), default=None)
+    if last is None:
+        return prompt
+    content = text.replace("{prompt}", prompt.value[last]["content"])
+    return replace(
+        prompt, value=[*prompt.value[:last], {**prompt.value[last], "content": content}, *prompt.value[last + 1 :]]
+    )
 
 
 def records_file(split: str) -> str:
@@ -102,12 +130,17 @@ def _is_message(m: Any) -> bool:
 
 
 def read_prompts(
-    specs: Sequence[str], on_bad: Any, columns: dict[str, str] | None = None, flag: str = "--input"
+    specs: Sequence[str],
+    on_bad: Any,
+    columns: dict[str, str] | None = None,
+    flag: str = "--input",
+    template: str | None = None,
 ) -> Iterator[Prompt]:
-    """Every record of the inputs as a :class:`Prompt`; a bad one goes to ``on_bad`` (raise or count)."""
+    """Every record of the inputs as a :class:`Prompt` (in ``template``, :func:`apply_template`); a bad one goes to
+    ``on_bad`` (raise or count)."""
     for record in iter_records(specs, on_bad, columns, flag):
         try:
-            yield parse_prompt(record.fields, record.where)
+            yield apply_template(parse_prompt(record.fields, record.where), template)
         except UserError as err:
             on_bad(err)
 
@@ -143,6 +176,7 @@ def prepare_prompts(
     val_inputs: Sequence[str] = (),
     columns: dict[str, str] | None = None,
     shard_mb: float = 256,
+    prompt_template: str | None = None,
 ) -> dict[str, Any]:
     """Write ``out`` (see the module docstring) and return its meta.json contents. With ``val_inputs``
     (``--val-input``) val is their records and train every record of ``inputs``; else a prompt's hash decides."""
@@ -160,9 +194,9 @@ def prepare_prompts(
     try:
 
         def prompts() -> Iterator[tuple[Prompt, str]]:
-            for prompt in read_prompts(inputs, bad, columns):
+            for prompt in read_prompts(inputs, bad, columns, template=prompt_template):
                 yield prompt, ("train" if val_inputs else split_of(prompt.key(), seed, val_fraction))
-            for prompt in read_prompts(val_inputs, bad, columns, flag="--val-input"):
+            for prompt in read_prompts(val_inputs, bad, columns, flag="--val-input", template=prompt_template):
                 yield prompt, "val"
 
         if tok is None:
