@@ -208,7 +208,7 @@ def test_columns_map_the_fields_of_chat_and_preference(tok_dir: Path, tmp_path: 
     assert meta["columns"] == {"messages": "dialog"} and rows_of(tmp_path / "a") == rows_of(tmp_path / "b")
     with pytest.raises(
         UserError,
-        match=r"mine\.jsonl:1: record has no 'messages' field \(nor 'prompt' and 'completion'\) \(keys: \['dialog', 'id'\]\)",
+        match=r"mine\.jsonl:1: record has no 'messages' field \(nor 'conversations', 'instruction' and 'output', 'prompt' and 'completion'\) \(keys: \['dialog', 'id'\]\)",
     ):
         prepare([str(mine)], tmp_path / "c", fmt="chat", **kwargs)
     pairs = [{"prompt": f"Say {i}.", "chosen": f"{i}.", "rejected": f"{i + 1}?"} for i in range(12)]
