@@ -154,18 +154,10 @@ def plan_run(args: TrainArgs, world: int) -> RunPlan:
     settings = methods.grpo.engine(settings, grpo, args.seed)
     sequence = sequence_size(settings)
     overrides = [*args.ds, f"sequence_parallel_size={sequence}"] if sequence > 1 else args.ds  # zero.Init reads it
-    from_data = args.epochs is not None or args.warmup_ratio is not None  # steps need the batch: resolved twice
-    probe = dataclasses.replace(hints, max_steps=2**31 - 1) if from_data else hints  # the batch; no schedule check
-    cfg = dsconfig.resolve(args.deepspeed_config, settings.dp_size(world), probe, overrides, precision=args.precision)
-    if from_data:
-        planned = schedule.steps(
-            args.max_steps, args.warmup_steps, args.epochs, args.warmup_ratio, meta, cfg.batch.global_batch,
-            grpo.num_generations if grpo else None,
-        )  # fmt: skip
-        args.max_steps = planned.max_steps  # the run's steps from here on: setup, the loop and the header read it
-        warmup = planned.warmup_steps or hints.warmup_steps  # a random-init preset's own warm-up, unless a ratio
-        hints = dataclasses.replace(hints, max_steps=planned.max_steps, warmup_steps=warmup)
-        cfg = dsconfig.resolve(args.deepspeed_config, settings.dp_size(world), hints, overrides, args.precision)
+    resolve = partial(dsconfig.resolve, args.deepspeed_config, settings.dp_size(world), overrides=overrides,
+                      precision=args.precision)  # fmt: skip
+    generations = grpo.num_generations if grpo else None
+    cfg, args.max_steps = schedule.resolve_steps(args, hints, meta, generations, resolve)  # what the loop runs
     if warning := schedule.never_peaks(cfg.ds.get("scheduler"), args.max_steps):
         warn(warning)
     settings.check_batch(cfg.batch)

@@ -12,10 +12,14 @@ lr of a LoRA run, and the one-line warning when a schedule never reaches its pea
 
 from __future__ import annotations
 
+import dataclasses
 import math
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
+from deepzero.args import TrainArgs
+from deepzero.dsconfig import ResolvedConfig, TrainingHints
 from deepzero.errors import UserError
 
 LORA_LR = 2e-4
@@ -57,6 +61,27 @@ def steps(
     if warmup_ratio is not None:
         warmup_steps = math.ceil(warmup_ratio * max_steps)
     return Steps(max_steps, warmup_steps)
+
+
+def resolve_steps(
+    args: TrainArgs,
+    hints: TrainingHints,
+    meta: dict[str, Any],
+    num_generations: int | None,
+    resolve: Callable[[TrainingHints], ResolvedConfig],
+) -> tuple[ResolvedConfig, int]:
+    """The config ``resolve(hints)`` gives for the run's steps, and those steps. With ``--epochs`` or
+    ``--warmup-ratio`` the steps need the global batch, so the config is resolved twice: first for the batch alone (no
+    schedule to check against a step count not yet known), then with the steps and warm-up."""
+    if args.epochs is None and args.warmup_ratio is None:
+        return resolve(hints), hints.max_steps
+    batch = resolve(dataclasses.replace(hints, max_steps=2**31 - 1)).batch
+    planned = steps(
+        hints.max_steps, args.warmup_steps, args.epochs, args.warmup_ratio, meta, batch.global_batch, num_generations
+    )
+    warmup = planned.warmup_steps or hints.warmup_steps  # a random-init preset's own warm-up, unless a ratio
+    hints = dataclasses.replace(hints, max_steps=planned.max_steps, warmup_steps=warmup)
+    return resolve(hints), planned.max_steps
 
 
 def never_peaks(scheduler: dict[str, Any] | None, max_steps: int) -> str | None:

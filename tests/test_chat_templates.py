@@ -178,18 +178,23 @@ def test_grpo_prompts_end_with_the_shipped_prefill(r1: dict, tmp_path: Path) -> 
     assert texts and all(t.endswith("<｜Assistant｜><think>\n") for t in texts)
 
 
-def test_three_ranks_train_on_the_reasoning_traces(r1: dict) -> None:
+def test_three_ranks_train_on_the_reasoning_traces_in_bf16(r1: dict) -> None:
+    """bf16 as on a card (forced: a CPU without native bf16 emulates it); the export's tokenizer carries the shipped
+    template unchanged, as Transformers loads it for inference (the training variant only renders the data)."""
     out = r1["root"] / "run"
     launch(
         [
-            "--deepspeed_config", "ds_configs/zero2.json", "--model", str(r1["model"]), "--data", str(r1["data"]),
-            "--out", str(out), "--max-steps", "4", "--lr", "3e-3", "--warmup-steps", "1", "--micro-batch", "1",
-            "--grad-accum", "1", "--log-interval", "1", "--eval-interval", "0", "--save-interval", "0",
-            "--no-export",
+            "--deepspeed_config", "ds_configs/zero2_bf16.json", "--precision", "bf16", "--model", str(r1["model"]),
+            "--data", str(r1["data"]), "--out", str(out), "--max-steps", "4", "--lr", "3e-3", "--warmup-steps", "1",
+            "--micro-batch", "1", "--grad-accum", "1", "--log-interval", "1", "--eval-interval", "0",
+            "--save-interval", "0",
         ]
     )  # fmt: skip
     curve = [r["loss"] for r in records(out)]
     assert len(curve) == 4 and curve[-1] < curve[0]
+    assert records(out, "export")[-1]["ok"]
+    exported = AutoTokenizer.from_pretrained(out / "hf")
+    assert exported.chat_template == deepseek_r1_distill_chat_template
 
 
 def test_gsm8k_prompts_in_r1_s_math_template_end_with_the_prefill(r1: dict, tmp_path: Path) -> None:
@@ -209,3 +214,20 @@ def test_gsm8k_prompts_in_r1_s_math_template_end_with_the_prefill(r1: dict, tmp_
     with pytest.raises(UserError, match="--prompt-template"):
         prepare([str(tmp_path / "g.jsonl")], tmp_path / "h", tokenizer=str(r1["model"]), seq_len=96, fmt="prompts",
                 columns={"prompt": "question"}, prompt_template="no placeholder")  # fmt: skip
+
+
+def test_a_template_flag_on_other_data_is_one_line(r1: dict, tmp_path: Path) -> None:
+    """--prompt-template belongs to prompts and --chat-template to chats: with other data each would be ignored;
+    a template without {prompt} is the flag's error even with --skip-bad (never every record skipped as bad)."""
+    (tmp_path / "t.txt").write_text("plain text " * 50)
+    (tmp_path / "p.jsonl").write_text("".join(json.dumps({"prompt": f"q{i}"}) + "\n" for i in range(8)))
+    common = {"tokenizer": str(r1["model"]), "seq_len": 64, "val_fraction": 0.25}
+    with pytest.raises(UserError, match="--prompt-template: applies to --format prompts"):
+        prepare([str(tmp_path / "t.txt")], tmp_path / "a", prompt_template="r1-math", **common)
+    with pytest.raises(UserError, match="--chat-template: applies to chat data"):
+        prepare([str(tmp_path / "t.txt")], tmp_path / "b", chat_template="r1-distill-training", **common)
+    with pytest.raises(UserError, match="--chat-template: applies to chat data, not --format prompts"):
+        prepare([str(tmp_path / "p.jsonl")], tmp_path / "c", fmt="prompts", chat_template="r1-distill", **common)
+    with pytest.raises(UserError, match="--prompt-template no placeholder: is neither"):
+        prepare([str(tmp_path / "p.jsonl")], tmp_path / "d", fmt="prompts", prompt_template="no placeholder",
+                skip_bad=True, max_completion_length=32, **common)  # fmt: skip

@@ -93,10 +93,10 @@ class ChatRenderer:
             spans.append((lo, hi))
         return text, spans
 
-    def render(self, chat: Chat, add_generation_prompt: bool = False, **kw: Any) -> str:
+    def render(self, chat: Chat, add_generation_prompt: bool = False) -> str:
         try:
             return self.tok.apply_chat_template(
-                chat, chat_template=self.template, tokenize=False, add_generation_prompt=add_generation_prompt, **kw
+                chat, chat_template=self.template, tokenize=False, add_generation_prompt=add_generation_prompt
             )
         except TemplateError as err:
             raise refused(self.name, err) from None
@@ -190,8 +190,8 @@ def _training_variant(tok: PreTrainedTokenizerBase, shipped: str) -> tuple[str, 
         return shipped, "the tokenizer's own"
     if variant is None:
         return shipped, "the tokenizer's own"
-    label = names.get(variant, "TRL's training variant")
-    return variant, f"{label}, TRL's training variant of the tokenizer's {names.get(shipped, 'template')}"
+    label = f"{names[variant]}, " if variant in names else ""
+    return variant, f"{label}TRL's training variant of the tokenizer's {names.get(shipped, 'template')}"
 
 
 def _drops_reasoning(tok: PreTrainedTokenizerBase, shipped: str) -> bool:

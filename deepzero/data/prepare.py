@@ -146,6 +146,7 @@ def prepare(
     workers = workers or len(os.sched_getaffinity(0))
     val_fraction = _val_fraction(val_fraction, val_inputs)
     _check_args(seq_len, val_fraction, fmt, workers, shard_mb)
+    _check_templates(fmt, chat_template, prompt_template)
     max_completion_length = _completion_length(fmt, seq_len, max_completion_length)
     settings: dict[str, Any] = {"shard_mb": shard_mb, "skip_bad": skip_bad}
     if columns:
@@ -200,6 +201,8 @@ def prepare(
         docs = iter_docs(inputs, fmt, bad, columns=columns)
         first = next(docs)
         chat = not isinstance(first.value, str)
+        if chat_template is not None and not chat:
+            raise UserError("--chat-template", f"applies to chat data; {first.where} is plain text", "drop it")
         tasks = _batches(_chain(first, docs), None if val_fraction is not None else "train")
         if val_inputs:
             tasks = itertools.chain(tasks, _batches(_held_out(val_inputs, fmt, chat, bad, columns), "val"))
@@ -309,6 +312,14 @@ def _check_args(seq_len: int, val_fraction: float | None, fmt: str, workers: int
         raise UserError("--workers", f"must be at least 1, got {workers}", "pass e.g. --workers 4, or leave it out")
     if not shard_mb > 0:
         raise UserError("--shard-mb", f"must be positive, got {shard_mb}", f"pass e.g. --shard-mb {DEFAULT_SHARD_MB}")
+
+
+def _check_templates(fmt: str, chat_template: str | None, prompt_template: str | None) -> None:
+    """Each template flag belongs to one kind of data: given with another, it would be ignored."""
+    if prompt_template is not None and fmt != "prompts":
+        raise UserError("--prompt-template", f"applies to --format prompts, not {fmt}", "drop it, or prepare prompts")
+    if chat_template is not None and fmt in ("text", "preference", "prompts"):
+        raise UserError("--chat-template", f"applies to chat data, not --format {fmt}", "drop it")
 
 
 def _fingerprint(
@@ -491,10 +502,9 @@ class _Encoder:
 
     def __call__(self, values: list[str | Chat]) -> dict[str, _Encoded]:
         split = [self.to or split_of(v, self.seed, self.val_fraction) for v in values]
-        out = {}
+        out, chat = {}, self.renderer is not None
         for name in ("train", "val"):
             part = [v for v, s in zip(values, split, strict=True) if s == name]
-            chat = self.renderer is not None
             pieces = _encode_chats(self.renderer, part, self.prefix) if chat else self._encode_texts(part)
             ids = np.concatenate([p for p, _ in pieces]) if pieces else np.zeros(0, self.dtype)
             mask = np.concatenate([m for _, m in pieces]) if chat and pieces else None

@@ -65,11 +65,10 @@ PROMPT_TEMPLATES = {"r1-math": "{prompt}\nPlease reason step by step, and put yo
 use), so the answer comes boxed where math-verify's ``accuracy`` reads it."""
 
 
-def apply_template(prompt: Prompt, template: str | None) -> Prompt:
-    """``prompt`` as a user turn of ``template`` (a :data:`PROMPT_TEMPLATES` name, or text with ``{prompt}``): a
-    string prompt becomes that one user message, a message list has its last user message rewritten."""
+def template_text(template: str | None) -> str | None:
+    """``--prompt-template``'s text (a :data:`PROMPT_TEMPLATES` name, or text with ``{prompt}``), or a UserError."""
     if template is None:
-        return prompt
+        return None
     text = PROMPT_TEMPLATES.get(template, template)
     if "{prompt}" not in text:
         raise UserError(
@@ -77,6 +76,14 @@ def apply_template(prompt: Prompt, template: str | None) -> Prompt:
             "is neither a known name nor text with {prompt}",
             f"use {', '.join(PROMPT_TEMPLATES)} or e.g. '{{prompt}} Answer briefly.'",
         )
+    return text
+
+
+def apply_template(prompt: Prompt, text: str | None) -> Prompt:
+    """``prompt`` as a user turn of the template ``text`` (:func:`template_text`): a string prompt becomes that one
+    user message, a message list has its last user message rewritten."""
+    if text is None:
+        return prompt
     if isinstance(prompt.value, str):
         return replace(prompt, value=[{"role": "user", "content": text.replace("{prompt}", prompt.value)}])
     last = max((i for i, m in enumerate(prompt.value) if m["role"] == "user"), default=None)
@@ -136,8 +143,8 @@ def read_prompts(
     flag: str = "--input",
     template: str | None = None,
 ) -> Iterator[Prompt]:
-    """Every record of the inputs as a :class:`Prompt` (in ``template``, :func:`apply_template`); a bad one goes to
-    ``on_bad`` (raise or count)."""
+    """Every record of the inputs as a :class:`Prompt` (in the template text ``template``, :func:`apply_template`); a
+    bad one goes to ``on_bad`` (raise or count)."""
     for record in iter_records(specs, on_bad, columns, flag):
         try:
             yield apply_template(parse_prompt(record.fields, record.where), template)
@@ -182,6 +189,7 @@ def prepare_prompts(
     (``--val-input``) val is their records and train every record of ``inputs``; else a prompt's hash decides."""
 
     start = time.perf_counter()
+    template = template_text(prompt_template)  # a bad template is the flag's error, never a bad record's
     max_prompt_len = seq_len - max_completion_length
     bad = BadInput(skip_bad)
     out.parent.mkdir(parents=True, exist_ok=True)
@@ -194,9 +202,9 @@ def prepare_prompts(
     try:
 
         def prompts() -> Iterator[tuple[Prompt, str]]:
-            for prompt in read_prompts(inputs, bad, columns, template=prompt_template):
+            for prompt in read_prompts(inputs, bad, columns, template=template):
                 yield prompt, ("train" if val_inputs else split_of(prompt.key(), seed, val_fraction))
-            for prompt in read_prompts(val_inputs, bad, columns, flag="--val-input", template=prompt_template):
+            for prompt in read_prompts(val_inputs, bad, columns, flag="--val-input", template=template):
                 yield prompt, "val"
 
         if tok is None:
