@@ -170,14 +170,14 @@ def iter_records(
         for f in input_files(spec, flag):
             if f.suffix not in (".jsonl", ".parquet"):
                 raise UserError(
-                    f"{flag} {spec}", f"{f} is not .jsonl or .parquet: this format reads records", FIX_RECORDS
+                    f"{flag} {spec}", f"{f} is not .jsonl or .parquet: this format reads records", _FIX_RECORDS
                 )
     for spec in specs:
         for record, where, nbytes in _raw_records(spec, on_bad):
             yield Record(rename(record, columns or {}), where, nbytes)
 
 
-FIX_RECORDS = "pass .jsonl or .parquet files, folders of them, or hf:NAME[:CONFIG][:SPLIT]"
+_FIX_RECORDS = "pass .jsonl or .parquet files, folders of them, or hf:NAME[:CONFIG][:SPLIT]"
 
 
 def _raw_records(spec: str, on_bad: OnBad) -> Iterator[tuple[dict[str, Any], str, int]]:
