@@ -280,7 +280,8 @@ class TrainArgs:
         default="train",
         **_help(
             "GRPO's eval: train samples as training does (TRL), r1 at temperature 0.6 / top-p 0.95 (DeepSeek-R1's"
-            " pass@1, as evaluate.py), greedy one completion per prompt."
+            " pass@1), greedy one completion per prompt; r1 and greedy sample exactly as evaluate.py does, without"
+            " training's --top-k, --min-p, --repetition-penalty or --generation-kwargs."
         ),
     )
     local_rank: int = field(default=-1, **_help("Set by the deepspeed launcher."))

@@ -17,7 +17,7 @@ import torch
 import torch.distributed as dist
 from deepspeed.accelerator import get_accelerator
 
-from deepzero.errors import UserError
+from deepzero.errors import RaisedElsewhere, UserError
 from deepzero.quiet import printed_lines_dropped
 
 SHM_DIR = Path("/dev/shm")
@@ -146,8 +146,10 @@ ERROR_EXIT_GRACE_S = 5.0
 
 
 def report_user_error(err: UserError) -> int:
-    """An entry point's bad input: its one line on stderr (rank 0's, or any rank's that reaches it), exit code 2."""
-    if os.environ.get("RANK", "0") == "0" or dist.is_initialized():
+    """An entry point's bad input: its one line on stderr (rank 0's, or any rank's that reaches it; a line every rank
+    raised alike, a ``RaisedElsewhere``, only rank 0's), exit code 2."""
+    agreed = isinstance(err, RaisedElsewhere) and dist.is_initialized() and dist.get_rank() != 0
+    if (os.environ.get("RANK", "0") == "0" or dist.is_initialized()) and not agreed:
         prefix = f"[rank {dist.get_rank()}] " if dist.is_initialized() and dist.get_rank() else ""
         # One write of the whole line: print() writes the text and its newline separately, and ranks sharing
         # the launcher's stderr then interleave ("...(NFS, Lustre, ...)[rank 2] error: ...\n\n", seen in CI).

@@ -95,11 +95,13 @@ def test_three_ranks_and_other_batches_write_the_same_samples_and_summary(ev: di
     assert summary == alone
     assert {"pass@1", "pass@2", "pass@4", "cons@6", "mean_reward", "prompts"} <= set(summary)
     assert summary["prompts"] == ev["val"] and summary["temperature"] == 0.6 and summary["top_p"] == 0.95
-    assert 0 < summary["pass@1"] < summary["pass@6"] and 0 < summary["cons@6"] < 1  # the figures are not all 0
+    assert 0 < summary["pass@1"] < summary["pass@6"]  # the figures are not all 0
+    # a random model's samples mostly hold no digit: "no answer" outvotes the rest, so cons@6 is 0 (lighteval's rule)
+    assert summary["cons@6"] == 0 and summary["samples_unscored"] == 0
     again = launch(job(ev, out, "--samples", "6"), script="evaluate.py", check=False)  # no --resume: refused
     assert again.returncode == 2 and "Traceback" not in again.stderr
     errors = [x for x in again.stderr.splitlines() if "error:" in x]
-    assert len(errors) == 3 and all("pass --resume to continue it" in x for x in errors), again.stderr  # every rank
+    assert len(errors) == 1 and "pass --resume to continue it" in errors[0], again.stderr  # once, by rank 0
     first = lines(out / "samples.jsonl")[0]
     assert len(first["completions"]) == 6 and len(first["rewards"]) == 6 and first["index"] == 0
     assert len(set(first["completions"])) > 1  # sampled, not six copies of one
@@ -119,12 +121,41 @@ def test_a_stopped_job_resumes_to_the_same_file_and_a_changed_one_is_refused(ev:
     )
     assert changed.returncode == 2
     assert "error: --resume" in changed.stderr and "temperature was 0.6, now 0.7" in changed.stderr
+    for flags, line in [
+        (["--correct", "reward>=0.5"], "correct was None, now 'reward>=0.5'"),
+        (["--dtype", "bf16"], "dtype was 'fp32', now 'bf16'"),
+    ]:
+        other = run_py("evaluate.py", job(ev, out, "--samples", "6", "--resume", *flags, reward="first_even"))
+        assert other.returncode == 2 and line in other.stderr and "Traceback" not in other.stderr, other.stderr
+    other = run_py("evaluate.py", job(ev, out, "--samples", "6", "--resume", reward="exact"))
+    assert other.returncode == 2 and "reward was [" in other.stderr
     resumed = run_py(
         "evaluate.py", job(ev, out, "--samples", "6", "--prompts-per-call", "3", "--resume", reward="first_even")
     )
     assert resumed.returncode == 0, resumed.stderr
     assert f"{ev['val']} prompts, {ev['val'] - 5} to do" in resumed.stdout
     assert lines(out / "samples.jsonl") == lines(one_rank / "samples.jsonl")
+
+
+def test_a_bf16_job_records_its_batch_layout_and_refuses_another_on_resume(ev: dict, tmp_path: Path) -> None:
+    """In bf16 a sample depends on the rows batched with it (docs/evaluate.md): the job records its layout and a
+    resume with another --prompts-per-call is one line naming it; one prompt a call leaves the rank count free."""
+    out, bf16 = tmp_path / "bf16", ["--samples", "2", "--dtype", "bf16", "--limit", "4"]
+    first = run_py("evaluate.py", job(ev, out, *bf16, "--prompts-per-call", "2"))
+    assert first.returncode == 0, first.stderr
+    saved = json.loads((out / "job.json").read_text())
+    assert saved["dtype"] == "bf16" and saved["batch_layout"] == {
+        "layout": "data-parallel", "rows_per_call": None, "prompts_per_call": 2, "ranks": 1,
+    }  # fmt: skip
+    other = run_py("evaluate.py", job(ev, out, *bf16, "--resume"))
+    assert other.returncode == 2 and "Traceback" not in other.stderr
+    (line,) = [x for x in other.stderr.splitlines() if x.startswith("error:")]
+    assert "batch_layout was" in line and "in 16 bits a sample depends on the rows batched with it" in line
+    assert line.endswith("Fix: run on 1 rank(s) with --prompts-per-call 2, or another --out")
+    single = tmp_path / "single"
+    ok = run_py("evaluate.py", job(ev, single, *bf16, "--prompts-per-call", "1"))
+    assert ok.returncode == 0, ok.stderr
+    assert "ranks" not in json.loads((single / "job.json").read_text())["batch_layout"]
 
 
 def test_greedy_on_the_layer_placement_equals_the_whole_model(ev: dict) -> None:
@@ -170,15 +201,22 @@ def test_the_4bit_layout_loads_the_base_in_nf4_and_evaluates(ev: dict) -> None:
     assert [line["index"] for line in lines(out / "samples.jsonl")] == list(range(ev["val"]))
 
 
-def test_rejection_sampled_chat_data_prepares_and_trains(ev: dict) -> None:
+def test_rejection_sampling_keeps_ended_completions_that_prepare_and_train(ev: dict) -> None:
     chat = ev["root"] / "rs" / "round1.jsonl"
+    """sample.py keeps passing completions that ended (a random model's samples cut at the length limit are dropped
+    and counted: no end token is ever appended to a cut one), each once, at most --per-prompt a prompt; the chat
+    file prepares and trains."""
     args = job(ev, chat, "--split", "train", "--limit", "20", "--samples", "8", "--temperature", "1.5")
-    proc = run_py("sample.py", [*args, "--keep", "reward>=0", "--per-prompt", "2"])
+    proc = run_py("sample.py", [*args, "--keep", "reward>=0", "--per-prompt", "2", "--max-completion-length", "40"])
     assert proc.returncode == 0, proc.stderr
     summary = json.loads((ev["root"] / "rs" / "round1.summary.json").read_text())
     kept = lines(chat)
-    assert summary["written"] == len(kept) > 20 and summary["prompts_with_none_kept"] == 0
     assert summary["prompts_by_passing_samples"] == {"8": 20}  # every sample passes reward>=0
+    sampled = lines(ev["root"] / "rs" / "round1.samples.jsonl")
+    ended = [[t for t, cut in zip(x["completions"], x["truncated"], strict=True) if not cut] for x in sampled]
+    assert summary["cut_dropped"] == sum(sum(x["truncated"]) for x in sampled) > 0
+    assert summary["written"] == len(kept) == sum(min(len(set(e)), 2) for e in ended) > 4
+    assert {r["messages"][1]["content"] for r in kept} <= {t for e in ended for t in e}
     by_prompt: dict[str, list[str]] = {}
     for record in kept:
         user, assistant = record["messages"]
@@ -202,7 +240,7 @@ def test_rejection_sampled_chat_data_prepares_and_trains(ev: dict) -> None:
 def test_grpo_eval_samples_as_evaluate_py_does_on_the_same_weights(ev: dict, sampling: str) -> None:
     """train.py's GRPO eval (--eval-sampling r1: 4 samples a prompt, or greedy: 1; every held-out prompt, one prompt
     per eval micro-batch) and evaluate.py on its export (one prompt per call) draw the same samples: the same pass@k,
-    cons@k and mean reward."""
+    cons@k and mean reward, though training samples with top-k, min-p and a repetition penalty evaluate.py lacks."""
     k, shape = (4, ["--num-generations", "4", "--micro-batch", "4"]) if sampling == "r1" else (1, [])
     shape = shape or ["--num-generations", "2", "--micro-batch", "1", "--grad-accum", "2"]  # eval: 1 prompt a batch
     out = ev["root"] / f"grpo-{sampling}"
@@ -219,7 +257,7 @@ def test_grpo_eval_samples_as_evaluate_py_does_on_the_same_weights(ev: dict, sam
         "2",
     ]
     train += ["--eval-batches", str(ev["val"]), "--eval-sampling", sampling, "--precision", "fp32", "--lr", "1e-3"]
-    train += ["--save-interval", "0"]
+    train += ["--save-interval", "0", "--top-k", "5", "--min-p", "0.05", "--repetition-penalty", "1.3"]  # train only
     if "--grad-accum" not in train:
         train += ["--grad-accum", "1"]
     launch(train, nproc=1)
@@ -228,7 +266,7 @@ def test_grpo_eval_samples_as_evaluate_py_does_on_the_same_weights(ev: dict, sam
     proc = run_py("evaluate.py", job(ev, out / "eval", *protocol, "--prompts-per-call", "1", reward="first_even"))
     assert proc.returncode == 0, proc.stderr
     summary = json.loads((out / "eval" / "summary.json").read_text())
-    assert summary["prompts"] == ev["val"] and 0 < summary["pass@1"] < 1 and summary[f"cons@{k}"] > 0
+    assert summary["prompts"] == ev["val"] and 0 < summary["pass@1"] < 1  # cons@k: often 0, "no answer" wins
     for key in ("pass@1", f"pass@{k}", f"cons@{k}"):
         assert record[f"val_{key}"] == summary[key], key
     assert record["val_reward"] == pytest.approx(summary["mean_reward"], rel=1e-6)
@@ -302,3 +340,55 @@ def test_the_summary_and_the_chat_file_stream_a_job_many_times_larger_than_their
     assert summary["prompts"] == 2000 and summary["pass@1"] == pytest.approx(0.5) and summary["pass@8"] == 1.0
     assert figures["written"] == 4000 and figures["acceptance_rate"] == 0.5
     assert len(files.chat.read_text().splitlines()) == 4000
+
+
+@pytest.fixture(scope="module")
+def chat_model(ev: dict) -> Path:
+    """The fixture's model with a chat template on its tokenizer (benchmarks' prompts are user turns)."""
+    import shutil
+
+    from transformers import AutoTokenizer
+
+    folder = ev["root"] / "chat-model"
+    shutil.copytree(ev["model"], folder)
+    tok = AutoTokenizer.from_pretrained(folder)
+    tok.chat_template = (
+        "{% for m in messages %}{{ m['content'] }}{% endfor %}{% if add_generation_prompt %}={% endif %}"
+    )
+    tok.save_pretrained(folder)
+    return folder
+
+
+@pytest.mark.parametrize("name", ["aime24", "gpqa_diamond"])
+def test_a_benchmark_runs_on_local_records_with_lightevals_prompt_and_cuts_long_prompts(
+    ev: dict, chat_model: Path, name: str, tmp_path: Path
+) -> None:
+    """evaluate.py --benchmark on a local copy in the Hub layout: each prompt is lighteval's template as a user turn
+    (GPQA's answers shuffled with the record's index as seed), scored by the benchmark, never by --reward; a prompt
+    longer than the model's 64-token context leaves room for the completion by losing its start (counted)."""
+    from deepzero.rollout.benchmarks import BENCHMARKS, gpqa_choices
+    from tests.helpers.lighteval_cases import AIME, GPQA
+
+    case = AIME if name == "aime24" else GPQA
+    records = case["records"][:3]
+    (tmp_path / "local.jsonl").write_text("".join(json.dumps(r) + "\n" for r in records))
+    out = tmp_path / "eval"
+    args = ["--model", str(chat_model), "--benchmark", name, "--data", str(tmp_path / "local.jsonl"), "--out", str(out)]
+    proc = run_py("evaluate.py", [*args, "--samples", "2", "--max-completion-length", "8"])
+    assert proc.returncode == 0, proc.stderr
+    bench = BENCHMARKS[name]
+    prepared = lines(out / "benchmark" / f"{name}.jsonl")
+    assert [p["prompt"][0]["content"] for p in prepared] == [bench.query(r, i)[0] for i, r in enumerate(records)]
+    if name == "gpqa_diamond":
+        gold = gpqa_choices(records[1], 1)[1]
+        assert prepared[1]["gold"] == "ABCD"[gold]
+        assert f"{'ABCD'[gold]}) right 1" in prepared[1]["prompt"][0]["content"]
+    else:
+        assert prepared[0]["prompt"][0]["content"].startswith("\nSolve the following math problem efficiently")
+    summary = json.loads((out / "summary.json").read_text())
+    assert summary["benchmark"] == name and summary["prompts"] == 3 and summary["correct"] == f"{name}>=1"
+    assert summary["max_completion_length"] == 8 and summary["prompts_cut_left"] == 3  # the templates outgrow 64
+    assert "3 prompts cut from the left to fit the context" in proc.stdout
+    assert all(x["prompt_cut"] > 0 and len(x["votes"]) == 2 for x in lines(out / "samples.jsonl"))
+    both = run_py("evaluate.py", [*args, "--reward", "exact"])
+    assert both.returncode == 2 and f"--benchmark {name}: scores as lighteval does" in both.stderr

@@ -1,16 +1,25 @@
-"""pass@k, cons@k and the keep/correct conditions (deepzero.rollout.scores), against enumeration."""
+"""pass@k, avg@n, cons@n, maj@n and their standard errors (deepzero.rollout.scores, python -m deepzero.score) against
+enumeration, lighteval 0.13's own figures on crafted completions, and the counting rules; the keep/correct conditions."""
 
 from __future__ import annotations
 
 import itertools
+import json
 import math
+import subprocess
+import sys
+from pathlib import Path
 
 import pytest
 from hypothesis import given
 from hypothesis import strategies as st
 
 from deepzero.errors import UserError
-from deepzero.rollout.scores import Condition, consensus_correct, majority, pass_at_k, summarise
+from deepzero.rollout.scores import Condition, consensus_correct, majority, pass_at_k, text_majority_correct
+from tests.conftest import REPO, cpu_env
+from tests.helpers.lighteval_cases import AIME, CASES
+
+EXPECTED = REPO / "tests" / "helpers" / "lighteval_expected.json"
 
 
 def enumerated_pass_at_k(n: int, c: int, k: int) -> float:
@@ -35,37 +44,106 @@ def test_pass_at_1_is_r1s_mean_share_and_large_n_stays_finite() -> None:
         pass_at_k(4, 5, 1)
 
 
-def test_majority_ties_go_to_the_first_answer_seen_and_no_answer_does_not_vote() -> None:
-    assert majority(["3", "4", "4", "3"]) == "3"  # a tie: the first seen (lighteval's maj@k, Counter order)
-    assert majority([None, "[unparseable]", "7", None, "[unparseable]"]) == "7"
-    assert majority([None, "[skipped]"]) is None
-    assert consensus_correct(["3", "4", "4"], [False, True, True])
-    assert not consensus_correct(["3", "3", "4"], [False, False, True])
-    assert not consensus_correct([None, None], [None, None])
+def case_files(case: dict, root: Path) -> tuple[Path, Path]:
+    """A case's records (its benchmark's layout) and its completions as samples.jsonl lines."""
+    data, samples = root / f"{case['benchmark']}.jsonl", root / f"{case['benchmark']}.samples.jsonl"
+    data.write_text("".join(json.dumps(r) + "\n" for r in case["records"]))
+    lines = [{"index": i, "completions": texts} for i, texts in enumerate(case["completions"])]
+    samples.write_text("".join(json.dumps(x) + "\n" for x in lines))
+    return data, samples
 
 
-def test_summary_counts_unscored_prompts_and_averages_the_rest() -> None:
-    def line(correct: list, answers: list) -> dict:
-        rewards = [None if ok is None else float(ok) for ok in correct]
-        return {
-            "correct": correct,
-            "answers": answers,
-            "rewards": rewards,
-            "lengths": [4] * 4,
-            "truncated": [False] * 4,
-        }
+def score(*args: str | Path) -> subprocess.CompletedProcess[str]:
+    """``python -m deepzero.score`` with ``args``."""
+    cmd = [sys.executable, "-m", "deepzero.score", *map(str, args)]
+    return subprocess.run(cmd, cwd=REPO, capture_output=True, text=True, env=cpu_env())
 
-    lines = [
-        line([True, False, False, False], ["1", "2", "2", "3"]),  # majority "2" is wrong
-        line([True, True, False, False], ["5", "5", "6", "7"]),  # majority "5" is right
-        line([None] * 4, [None] * 4),  # the gold answer did not parse: unscored
-    ]
-    s = summarise(lines, [1, 2, 4])
-    assert s["prompts"] == 3 and s["prompts_unscored"] == 1
-    assert s["pass@1"] == pytest.approx((1 / 4 + 2 / 4) / 2)
-    assert s["pass@2"] == pytest.approx((pass_at_k(4, 1, 2) + pass_at_k(4, 2, 2)) / 2)
-    assert s["pass@4"] == 1.0 and s["cons@4"] == 0.5
-    assert s["mean_reward"] == pytest.approx(3 / 8)
+
+@pytest.mark.parametrize("case", CASES, ids=[c["benchmark"] for c in CASES])
+def test_rescored_completions_give_lightevals_figures_to_the_last_digit(case: dict, tmp_path: Path) -> None:
+    """``python -m deepzero.score --benchmark`` on crafted completions: each sample judged as lighteval 0.13's task
+    metric judges it, and pass@k, avg@n, maj@n and their standard errors equal to the last bit the figures lighteval's
+    own classes gave (bench/lighteval_oracle.py wrote them), which are its documented definitions."""
+    expected = json.loads(EXPECTED.read_text())[case["benchmark"]]
+    data, samples = case_files(case, tmp_path)
+    proc = score("--samples", samples, "--data", data, "--benchmark", case["benchmark"], "--out", tmp_path / "o")
+    assert proc.returncode == 0, proc.stderr
+    summary = json.loads((tmp_path / "o" / "summary.json").read_text())
+    for key, value in expected["figures"].items():
+        assert summary[key] == value, key  # exact: the same floating-point operations as lighteval's
+    lines = [json.loads(x) for x in (tmp_path / "o" / "samples.jsonl").read_text().splitlines()]
+    for line, scores in zip(lines, expected["sample_scores"], strict=True):
+        assert [ok is True for ok in line["correct"]] == [s == 1.0 for s in scores]
+    for key, values in expected["per_prompt"].items():  # the oracle's figures are the documented definitions
+        mu = sum(values) / len(values)
+        sd = math.sqrt(sum((x - mu) ** 2 for x in values) / (len(values) - 1))
+        assert expected["figures"][key] == pytest.approx(mu, abs=1e-15)
+        assert expected["figures"][f"{key}_stderr"] == pytest.approx(sd / math.sqrt(len(values)), abs=1e-15)
+    for i, scores in enumerate(expected["sample_scores"]):
+        n, c = len(scores), int(sum(scores))
+        assert expected["per_prompt"]["pass@2"][i] == pytest.approx(enumerated_pass_at_k(n, c, 2), abs=1e-12)
+
+
+def test_cons_lets_every_sample_vote_and_groups_answers_math_verify_calls_equal(tmp_path: Path) -> None:
+    """cons@8 on the AIME case, prompt by prompt: six unparsed samples outvote two right ones (wrong); \\frac{1}{2},
+    0.5 and 1/2 vote together and beat two \\boxed{3} (right, where lighteval's maj@8 on texts is wrong); a gold that
+    does not parse (0, counted); a 3-3 tie goes to the answer seen first (right); eight equal right texts (right);
+    204, "204." and 204.0 against three 205s, 204 seen first (right)."""
+    data, samples = case_files(AIME, tmp_path)
+    proc = score("--samples", samples, "--data", data, "--benchmark", "aime24", "--out", tmp_path / "o")
+    assert proc.returncode == 0, proc.stderr
+    lines = [json.loads(x) for x in (tmp_path / "o" / "samples.jsonl").read_text().splitlines()]
+    assert [consensus_correct(x["votes"], x["correct"]) for x in lines] == [False, True, False, True, True, True]
+    maj = [text_majority_correct(x["completions"], x["correct"]) for x in lines]
+    assert maj == [False, False, False, True, True, False]
+    assert lines[1]["votes"][:5] == [0, 0, 0, 3, 3] and lines[0]["votes"].count(None) == 6
+    summary = json.loads((tmp_path / "o" / "summary.json").read_text())
+    assert summary["cons@8"] == pytest.approx(4 / 6) and summary["prompts_unscored"] == 1
+    assert summary["samples_unscored"] == 8 and "8 samples unscored (1 prompts wholly), counted as wrong" in proc.stdout
+
+
+def test_majority_ties_go_to_the_first_vote_seen_and_no_answer_can_win() -> None:
+    assert majority([3, 4, 4, 3]) == 3  # lighteval's max(answers, key=answers.count): the first seen
+    assert majority([None, None, 2, None, 2]) is None  # "no answer" wins
+    assert consensus_correct([0, 1, 1], [False, True, True])
+    assert not consensus_correct([None, None, 2], [None, None, True])
+    assert not consensus_correct([0, 0, 2], [None, None, True])  # the winning group unscored: wrong
+
+
+def test_unscored_samples_count_as_wrong_and_a_reward_scoring_nothing_is_one_line(tmp_path: Path) -> None:
+    """A reward's None is a wrong sample and every prompt stays in the denominators; a reward that scores no sample
+    at all exits 2 in one line."""
+    rows = [{"prompt": f"q{i}", "answer": str(i)} for i in range(3)]
+    (tmp_path / "d.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
+    (tmp_path / "r.py").write_text(
+        "def half(prompts, completions, answer, **kw):\n"
+        "    return [None if c == 'skip' else float(c == a) for c, a in zip(completions, answer)]\n"
+        "def nothing(prompts, completions, **kw):\n    return [None] * len(completions)\n"
+    )
+    lines = [{"index": 0, "completions": ["0", "skip"]}, {"index": 1, "completions": ["skip", "skip"]}]
+    lines += [{"index": 2, "completions": ["2", "2"]}]
+    (tmp_path / "s.jsonl").write_text("".join(json.dumps(x) + "\n" for x in lines))
+    base = ["--samples", tmp_path / "s.jsonl", "--data", tmp_path / "d.jsonl", "--out", tmp_path / "o"]
+    proc = score(*base, "--reward", f"{tmp_path / 'r.py'}:half")
+    assert proc.returncode == 0, proc.stderr
+    summary = json.loads((tmp_path / "o" / "summary.json").read_text())
+    assert summary["pass@1"] == pytest.approx((1 / 2 + 0 + 1) / 3) and summary["pass@2"] == pytest.approx(2 / 3)
+    assert summary["prompts_unscored"] == 1 and summary["samples_unscored"] == 3
+    nothing = score(*base, "--reward", f"{tmp_path / 'r.py'}:nothing")
+    assert nothing.returncode == 2 and "Traceback" not in nothing.stderr
+    (line,) = [x for x in nothing.stderr.splitlines() if x.startswith("error:")]
+    assert "scored none of the 6 samples" in line and "nothing" in line
+
+
+def test_bad_samples_and_an_unknown_benchmark_are_one_line(tmp_path: Path) -> None:
+    data, _ = case_files(AIME, tmp_path)
+    (tmp_path / "bad.jsonl").write_text('{"index": 0, "completions": "not a list"}\n')
+    args = ["--samples", tmp_path / "bad.jsonl", "--data", data, "--out", tmp_path / "o"]
+    proc = score(*args, "--benchmark", "aime24")
+    assert proc.returncode == 2 and "Traceback" not in proc.stderr
+    assert "bad.jsonl:1" in proc.stderr and "'completions'" in proc.stderr
+    unknown = score(*args, "--benchmark", "aime23")
+    assert unknown.returncode == 2 and "--benchmark aime23: is no benchmark here" in unknown.stderr
 
 
 def test_conditions_read_the_total_or_a_reward_and_bad_ones_are_one_line() -> None:

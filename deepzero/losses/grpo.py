@@ -45,6 +45,7 @@ from deepzero.rollout.generation import (
 )
 from deepzero.rollout.rewards import RewardContext
 from deepzero.rollout.scores import Condition, summarise
+from deepzero.rollout.votes import voter_for
 
 LOSS_TYPES = ("dapo", "grpo", "dr_grpo", "bnpo")
 SCALES = ("group", "batch", "none")
@@ -344,9 +345,10 @@ class GRPO:
         self.eval_sampler = self.sampler
         if s.eval_sampling != "train" and is_dataclass(self.sampler):
             protocol = PROTOCOLS[s.eval_sampling]
-            self.eval_sampler = replace(
-                self.sampler, temperature=protocol["temperature"] or 1.0, top_p=protocol.get("top_p", 1.0)
-            )
+            self.eval_sampler = replace(  # evaluate.py's sampling: none of training's warpers or generate kwargs
+                self.sampler, temperature=protocol["temperature"] or 1.0, top_p=protocol.get("top_p", 1.0),
+                top_k=0, min_p=None, repetition_penalty=1.0, generation_kwargs={},
+            )  # fmt: skip
         if s.reference == "frozen-copy":
             self.reference_model = copy.deepcopy(model).eval().requires_grad_(False)
 
@@ -531,12 +533,14 @@ class GRPO:
         judge = Condition.first_reward_at_least_one(self.rewards.names)
         values = per_name[judge.name].tolist()
         answers = context.answers(len(values))
+        texts = self.tokenizer.batch_decode(completions, skip_special_tokens=True)
+        voter = voter_for(judge.name)
         for start in range(0, len(values), k):
             part = range(start, start + k)
             self._outcomes.append(
                 {
                     "correct": [judge.verdict({judge.name: values[r]}) for r in part],
-                    "answers": [answers[r] for r in part],
+                    "votes": voter.groups([texts[r] for r in part], [answers[r] for r in part]),
                     "lengths": [len(completions[r]) for r in part],
                     "truncated": [self.truncated(completions[r]) for r in part],
                 }
@@ -548,7 +552,11 @@ class GRPO:
         lines = [line for part in every_ranks_object(mine) for line in part]
         k = self.settings.eval_generations
         summary = summarise(lines, [1, k])
-        return {key: float(v) for key, v in summary.items() if key.startswith(("pass@", "cons@")) and v is not None}
+        return {
+            key: float(v)
+            for key, v in summary.items()
+            if key.startswith(("pass@", "cons@")) and "_" not in key and v is not None
+        }
 
     data_eval: Any = None
 

@@ -11,22 +11,30 @@ from pathlib import Path
 
 from deepzero.errors import UserError
 
-SHOWN = ("prompts", "samples_per_prompt", "mean_reward", "mean_length", "max_length", "truncated_share")
+SHOWN = ("prompts", "samples_per_prompt", "prompts_unscored", "samples_unscored", "mean_reward", "mean_length")
+SHOWN += ("max_length", "truncated_share")
+FIGURES = ("pass@", "avg@", "cons@", "maj@")
 
 
 def table(folders: Sequence[Path]) -> str:
-    """A markdown table of the folders' summaries: pass@k and cons@k rows first, then ``SHOWN``."""
+    """A markdown table of the folders' summaries: pass@k, avg@n, cons@n and maj@n rows first (± their standard
+    errors), then ``SHOWN``."""
     summaries = []
     for folder in folders:
         path = folder / "summary.json"
         if not path.is_file():
             raise UserError(str(path), "does not exist", f"run evaluate.py --out {folder} first")
         summaries.append(json.loads(path.read_text()))
-    keys = [k for k in summaries[0] if k.startswith(("pass@", "cons@"))] + list(SHOWN)
+    keys = [k for k in summaries[0] if k.startswith(FIGURES) and not k.endswith("_stderr")] + list(SHOWN)
     rows = ["| | " + " | ".join(f.name for f in folders) + " |", "|---" * (len(folders) + 1) + "|"]
     for key in keys:
-        rows.append(f"| {key} | " + " | ".join(_cell(s.get(key)) for s in summaries) + " |")
+        cells = [_cell(s.get(key)) + _error(s.get(f"{key}_stderr")) for s in summaries]
+        rows.append(f"| {key} | " + " | ".join(cells) + " |")
     return "\n".join(rows)
+
+
+def _error(value: object) -> str:
+    return f" ± {value:.3f}" if isinstance(value, float) else ""
 
 
 def _cell(value: object) -> str:

@@ -11,6 +11,9 @@ from deepzero.args import _help, generation_kwargs
 from deepzero.errors import UserError
 from deepzero.rollout.generation import PROTOCOLS
 
+R1_MAX_LENGTH = 32768
+"""DeepSeek-R1's maximum generation length on its benchmarks (lighteval's ``generation_size`` for them)."""
+
 CPU_PROMPTS_PER_CALL = 8
 """Prompts a CPU rank generates together unless --prompts-per-call says otherwise."""
 
@@ -20,8 +23,21 @@ class JobArgs:
     """evaluate.py's and sample.py's flags (sample.py adds ``--keep`` and ``--per-prompt``)."""
 
     model: str = field(metadata={"help": "A pretrained folder (save_pretrained) or hub id."})
-    data: str = field(metadata={"help": "A folder from data/prepare.py --format prompts."})
     out: str = field(metadata={"help": "evaluate: a folder; sample: the chat JSONL file to write."})
+    data: str | None = field(
+        default=None,
+        **_help(
+            "A folder from data/prepare.py --format prompts; with --benchmark its records in the Hub layout (a"
+            " .jsonl/.parquet copy or hf:NAME), default the benchmark's Hub id."
+        ),
+    )
+    benchmark: str | None = field(
+        default=None,
+        **_help(
+            "aime24, aime25, math500 or gpqa_diamond: lighteval's prompt, gold and scoring (no --reward); completions"
+            f" up to {R1_MAX_LENGTH} tokens unless --max-completion-length (docs/evaluate.md)."
+        ),
+    )
     reward: list[str] = field(
         default_factory=list, **_help("Reward NAME[:WEIGHT] or file.py:function, repeatable (as train.py's).")
     )
@@ -71,7 +87,21 @@ class JobArgs:
         self.temperature = protocol["temperature"] if self.temperature is None else self.temperature
         self.top_p = protocol.get("top_p", 1.0) if self.top_p is None else self.top_p
         self.samples = (1 if self.temperature == 0 else 8) if self.samples is None else self.samples
-        if not self.reward:
+        if self.benchmark is not None:
+            from deepzero.rollout.benchmarks import benchmark
+
+            bench = benchmark(self.benchmark)
+            if self.reward:
+                raise UserError(
+                    f"--benchmark {self.benchmark}",
+                    "scores as lighteval does: --reward does not apply",
+                    "drop --reward",
+                )
+            self.data = self.data or bench.hub
+            self.max_completion_length = self.max_completion_length or R1_MAX_LENGTH
+        elif not self.data:
+            raise UserError("--data", "is required without --benchmark", "pass a --format prompts folder")
+        elif not self.reward:
             raise UserError("--reward", "no reward given: samples cannot be judged", "pass e.g. --reward accuracy")
         if self.samples < 1:
             raise UserError("--samples", f"must be 1 or more, got {self.samples}", "pass e.g. 8")
@@ -95,9 +125,11 @@ class JobArgs:
         generation_kwargs(self.generation_kwargs)
 
     def settings(self) -> dict[str, Any]:
-        """What makes the samples what they are: a resumed job must have the same."""
-        keys = ("model", "data", "split", "limit", "reward", "samples", "temperature", "top_p", "top_k", "min_p")
-        keys += ("repetition_penalty", "generation_kwargs", "max_completion_length", "seed")
+        """What makes the samples and their verdicts what they are: a resumed job must have the same (with the
+        resolved dtype and, in 16 bits, the batch layout: ``Job``)."""
+        keys = ("model", "data", "benchmark", "split", "limit", "reward", "correct", "protocol", "samples")
+        keys += ("temperature", "top_p", "top_k", "min_p", "repetition_penalty", "generation_kwargs")
+        keys += ("max_completion_length", "seed", "tokenizer")
         return {k: v for k, v in asdict(self).items() if k in keys}
 
 

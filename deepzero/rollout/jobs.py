@@ -27,11 +27,13 @@ from deepzero.args import generation_kwargs
 from deepzero.checkpoint import write_atomic
 from deepzero.distributed import every_ranks_object, init_distributed, on_cuda, rank0_decides
 from deepzero.errors import RaisedElsewhere, UserError, first_line
+from deepzero.rollout.benchmarks import Benchmark, benchmark, benchmark_rewards, prepare_benchmark
 from deepzero.rollout.generation import EVAL_GENERATION, GroupSeeds, HFGenerate, eos_ids, truncated
 from deepzero.rollout.job_args import CPU_PROMPTS_PER_CALL, JobArgs, parse_job_args
-from deepzero.rollout.layout import choose_layout, load_model
-from deepzero.rollout.rewards import RewardContext, RewardSet, parse_rewards
-from deepzero.rollout.scores import Condition, per_sample, summarise
+from deepzero.rollout.judge import Judge
+from deepzero.rollout.layout import choose_layout, job_precision, load_model
+from deepzero.rollout.rewards import RewardSet, parse_rewards
+from deepzero.rollout.scores import Condition, headline, per_sample, scored_nothing, shown, summarise
 
 
 @dataclass(frozen=True)
@@ -66,12 +68,16 @@ class JobFiles:
             )
         saved = json.loads(self.settings.read_text()) if self.settings.is_file() else {}
         for key, value in settings.items():
-            if saved.get(key) != value:
-                raise UserError(
-                    f"--resume ({self.settings})",
-                    f"{key} was {saved.get(key)!r}, now {value!r}: the samples would differ",
-                    f"pass the same {key}, or another --out",
-                )
+            if saved.get(key) == value:
+                continue
+            was = saved.get(key)
+            if key == "batch_layout" and isinstance(was, dict):
+                ranks = f"on {was['ranks']} rank(s) " if "ranks" in was else ""
+                fix = f"run {ranks}with --prompts-per-call {was['prompts_per_call']}, or another --out"
+                why = "in 16 bits a sample depends on the rows batched with it"
+            else:
+                fix, why = f"pass the same --{key.replace('_', '-')}, or another --out", "the samples would differ"
+            raise UserError(f"--resume ({self.settings})", f"{key} was {was!r}, now {value!r}: {why}", fix)
         return {line["index"] for line in self.lines()}
 
     def lines(self) -> Iterator[dict[str, Any]]:
@@ -104,32 +110,21 @@ class Job:
         self.args, self.kind = args, kind
         self.rank, self.world = init_distributed() if dist.is_available() else (0, 1)
         self.files = JobFiles.of(args.out, kind)
-        self.data = PromptDataset(args.data, args.split)
+        bench = benchmark(args.benchmark) if args.benchmark else None
+        split = "val" if bench else args.split
+        self.data = PromptDataset(self.benchmark_data(bench) if bench else args.data, split)
         self.completion_len = args.max_completion_length or self.data.max_completion_length
-        self.rewards: RewardSet = parse_rewards(args.reward, self.completion_len)
-        self.rewards.check_fields(self.data.meta.get("record_fields", []), args.data)
-        names = self.rewards.names
-        self.correct = (
-            Condition.parse(args.correct, names, "--correct")
-            if args.correct
-            else Condition.first_reward_at_least_one(names)
-        )
+        if bench is not None:
+            self.rewards: RewardSet = benchmark_rewards(bench)
+        else:
+            self.rewards = parse_rewards(args.reward, self.completion_len)
+            self.rewards.check_fields(self.data.meta.get("record_fields", []), args.data)
+        self.judge = Judge.of(self.rewards, args.correct, bench.voter() if bench else None)
+        self.correct = self.judge.correct
         self.keep = Condition.parse(args.keep, self.rewards.names, "--keep") if kind == "sample" else None
         count = min(len(self.data), args.limit or len(self.data))
         if count == 0:
-            raise UserError(args.data, f"has no {args.split} prompts", "prepare with --val-fraction, or pass --split")
-
-        def start() -> tuple[set[int], str | None]:  # one rank reads and writes the job's files
-            try:
-                return self.files.start(args.settings(), args.resume), None
-            except UserError as err:
-                return set(), str(err)
-
-        done, error = rank0_decides(start)
-        if error:
-            raise RaisedElsewhere(error)
-        self.todo = [i for i in range(count) if i not in done]
-        self.count = count
+            raise UserError(args.data, f"has no {split} prompts", "prepare with --val-fraction, or pass --split")
         self.layout = choose_layout(args, self.data.max_prompt_len, self.completion_len)
         rows = self.layout.rows
         if self.layout.name.startswith("placement") and self.world > 1:
@@ -138,9 +133,25 @@ class Job:
                 f"one copy of the model spans every card ({self.layout.reason}), so one process drives them",
                 f"run python {kind}.py with the same flags, without the deepspeed launcher",
             )
+        # a call's prompts: the planner's rows // k on a card (its rows per generate call cap the sampler either way)
+        self.per_call = args.prompts_per_call or (max(1, rows // args.samples) if rows else CPU_PROMPTS_PER_CALL)
+        self.precision = job_precision(args)
+
+        def start() -> tuple[set[int], str | None]:  # one rank reads and writes the job's files
+            try:
+                return self.files.start(self.settings(), args.resume), None
+            except UserError as err:
+                return set(), str(err)
+
+        done, error = rank0_decides(start)
+        if error:
+            raise RaisedElsewhere(error)
+        self.todo = [i for i in range(count) if i not in done]
+        self.count = count
         self.tokenizer, self.model = load_model(
             args, self.data.meta, self.layout.name, rows or 1, self.data.max_prompt_len + self.completion_len
         )
+        self.prompt_room = self.room_for_prompts()
         self.sampler = HFGenerate(
             self.completion_len, eos_ids(self.tokenizer, self.model), self.data.pad_id, args.temperature or 1.0,
             args.top_p, rows, args.top_k, args.min_p, args.repetition_penalty, generation_kwargs(args.generation_kwargs),
@@ -148,8 +159,47 @@ class Job:
         self.seeds = GroupSeeds(args.seed)
         self.generated, self.generation_s = 0, 0.0
         """This invocation's completion tokens and seconds generating them, on this rank."""
-        # a call's prompts: the planner's rows // k on a card (its rows per generate call cap the sampler either way)
-        self.per_call = args.prompts_per_call or (max(1, rows // args.samples) if rows else CPU_PROMPTS_PER_CALL)
+
+    def settings(self) -> dict[str, Any]:
+        """The flags that make the samples and verdicts (``JobArgs.settings``), the weights' dtype (and NF4), and in
+        16 bits the batch layout: there a sample depends on the rows batched with it (docs/evaluate.md)."""
+        weights = self.precision + ("+nf4" if self.layout.name.endswith("4bit") else "")
+        layout = None
+        if self.precision != "fp32":  # one prompt a call batches the same rows on any number of ranks
+            layout = {"layout": self.layout.name, "rows_per_call": self.layout.rows, "prompts_per_call": self.per_call}
+            layout |= {"ranks": self.world} if self.per_call > 1 else {}
+        return self.args.settings() | {"dtype": weights, "batch_layout": layout}
+
+    def benchmark_data(self, bench: Benchmark) -> Path:
+        """``--benchmark``'s records as lighteval's prompts in a prompts folder beside the job's files (rank 0
+        prepares it, the others wait; kept on --resume)."""
+        a = self.args
+        folder = self.files.settings.with_name(self.files.settings.name.replace("job.json", "benchmark"))
+
+        def build() -> str | None:
+            try:
+                prepare_benchmark(bench, a.data, a.tokenizer or a.model, a.max_completion_length, folder)
+            except UserError as err:
+                return str(err)
+            return None
+
+        if error := rank0_decides(build):
+            raise RaisedElsewhere(error)
+        return folder / "data"
+
+    def room_for_prompts(self) -> int | None:
+        """The most prompt tokens the model's context leaves beside the completion (None: no stated context): a
+        longer prompt is cut from the left, as lighteval does, and counted."""
+        context = getattr(self.model.config, "max_position_embeddings", None)
+        if context is None:
+            return None
+        if self.completion_len >= context:
+            raise UserError(
+                f"--max-completion-length {self.completion_len}",
+                f"leaves no room for a prompt in the model's {context}-token context",
+                f"pass a smaller --max-completion-length (at most {context - 1})",
+            )
+        return context - self.completion_len
 
     def run(self) -> dict[str, Any]:
         """Generate, score and write every prompt still to do; then the summary (rank 0's; others get {})."""
@@ -172,8 +222,9 @@ class Job:
         bar.close()
         figures = self.run_figures()
         summary = self.finish(figures) if self.rank == 0 else {}
-        if self.world > 1:
-            dist.barrier()
+        what = f"--benchmark {self.args.benchmark}" if self.args.benchmark else f"--reward {' '.join(self.args.reward)}"
+        if error := rank0_decides(lambda: str(e) if (e := scored_nothing(summary, what)) else None):
+            raise RaisedElsewhere(error)
         return summary
 
     def lines_of(self, indices: list[int]) -> list[dict[str, Any]]:
@@ -181,7 +232,9 @@ class Job:
         if not indices:
             return []
         k, device = self.args.samples, self.model.get_input_embeddings().weight.device
-        rows = [self.data[i]["prompt_ids"].to(device) for i in indices for _ in range(k)]
+        prompts = {i: self.data[i]["prompt_ids"] for i in indices}
+        cut = {i: max(0, len(p) - self.prompt_room) if self.prompt_room else 0 for i, p in prompts.items()}
+        rows = [prompts[i][cut[i] :].to(device) for i in indices for _ in range(k)]
         greedy = self.args.temperature == 0
         seeds = None if greedy else [s for i in indices for s in self.seeds.rows(EVAL_GENERATION, i, k)]
         start = time.perf_counter()
@@ -198,29 +251,9 @@ class Job:
         self.generation_s += time.perf_counter() - start  # generate returns the tokens: the device is done
         self.generated += sum(map(len, completions))
         texts = self.tokenizer.batch_decode(completions, skip_special_tokens=True)
-        context = RewardContext()
-        each = [i for i in indices for _ in range(k)]
-        total, per_name = self.rewards.score_rows(self.data, each, texts, completions, context)
-        answers = context.answers(len(texts))
-        out = []
-        for n, index in enumerate(indices):
-            rows_ = range(n * k, (n + 1) * k)
-            scores = {name: [_number(v[r]) for r in rows_] for name, v in per_name.items()}
-            rewards = [_number(total[r]) for r in rows_]
-            out.append(
-                {
-                    "index": index,
-                    "prompt": self.data.prompt(index),
-                    "completions": [texts[r] for r in rows_],
-                    "rewards": rewards,
-                    "scores": scores,
-                    "answers": [answers[r] for r in rows_],
-                    "correct": [self.correct.verdict(sample) for sample in per_sample(rewards, scores)],
-                    "lengths": [len(completions[r]) for r in rows_],
-                    "truncated": [truncated(completions[r], self.sampler.eos_ids) for r in rows_],
-                }
-            )
-        return out
+        ended = [truncated(c, self.sampler.eos_ids) for c in completions]
+        lines = self.judge.lines(self.data, indices, k, texts, completions, ended)
+        return [line | {"prompt_cut": cut[line["index"]]} if cut[line["index"]] else line for line in lines]
 
     def run_figures(self) -> dict[str, Any]:
         """This invocation's layout and speed over every rank (a collective): completion tokens per second (all
@@ -247,7 +280,7 @@ class Job:
         under ``run``; returns the summary. The lines are streamed from the file (in index order: each call appends
         a contiguous run of the prompts still to do, sorted), never held together."""
         summary = summarise(self.files.lines(), self.args.pass_k)
-        summary |= {"correct": str(self.correct), **self.args.settings(), "run": figures}
+        summary |= {**self.settings(), "correct": str(self.correct), "run": figures}
         if self.keep is not None:
             summary |= write_chat(self.files.lines(), self.keep, self.args.per_prompt, self.files.chat)
         write_atomic(self.files.summary, json.dumps(summary, indent=2))
@@ -266,8 +299,9 @@ class Job:
 
 def write_chat(lines: Iterable[dict[str, Any]], keep: Condition, per_prompt: int, path: Path | None) -> dict[str, Any]:
     """The kept completions as chat SFT records (the prompt's messages, then the completion as the assistant turn),
-    identical completions once, up to ``per_prompt`` a prompt, written as the lines stream in; returns the
-    acceptance figures (overall, and how many prompts had 0, 1, ... passing samples)."""
+    only those that ended (a completion cut at the length limit passing ``keep`` is dropped and counted), identical
+    completions once, up to ``per_prompt`` a prompt, written as the lines stream in; returns the acceptance figures
+    (overall, and how many prompts had 0, 1, ... passing samples)."""
     assert path is not None
     counts: Counter[str] = Counter()  # written, passed, duplicates, prompts with none kept, samples
     passing: Counter[int] = Counter()  # prompts by their number of passing samples
@@ -283,6 +317,9 @@ def write_chat(lines: Iterable[dict[str, Any]], keep: Condition, per_prompt: int
                 if not keep(each[j]):
                     continue
                 counts["passed"] += 1
+                if line["truncated"][j]:  # cut at the length limit: it would teach stopping mid-thought
+                    counts["cut"] += 1
+                    continue
                 if text in seen:
                     counts["duplicates"] += 1
                     continue
@@ -300,6 +337,7 @@ def write_chat(lines: Iterable[dict[str, Any]], keep: Condition, per_prompt: int
         "keep": str(keep),
         "written": counts["written"],
         "acceptance_rate": counts["passed"] / counts["samples"] if counts["samples"] else None,
+        "cut_dropped": counts["cut"],
         "duplicates_dropped": counts["duplicates"],
         "prompts_with_none_kept": counts["none"],
         "prompts_by_passing_samples": {str(k): passing[k] for k in sorted(passing)},
@@ -309,11 +347,6 @@ def write_chat(lines: Iterable[dict[str, Any]], keep: Condition, per_prompt: int
 
 def _messages(prompt: Any) -> list[dict[str, str]]:
     return list(prompt) if isinstance(prompt, list) else [{"role": "user", "content": str(prompt)}]
-
-
-def _number(x: torch.Tensor) -> float | None:
-    value = float(x)
-    return None if math.isnan(value) else value
 
 
 def _progress(todo: int, count: int, rank: int) -> Any:
@@ -335,19 +368,8 @@ def main(argv: list[str] | None, kind: Literal["evaluate", "sample"]) -> int:
         summary = job.run()
         if job.rank == 0:
             speed = summary["run"]["generation_tokens_per_s"]
-            shown = [f"{k} {_shown(v)}" for k, v in summary.items() if _headline(k)]
-            print(" | ".join([*shown, f"generated {_shown(speed)} tokens/s"]), flush=True)
+            print(f"{headline(summary)} | generated {shown(speed)} tokens/s", flush=True)
             print(f"wrote {job.files.summary}" + (f" and {job.files.chat}" if job.files.chat else ""), flush=True)
     except UserError as err:
         return report_user_error(err)
     return 0
-
-
-def _headline(key: str) -> bool:
-    return key.startswith(("pass@", "cons@")) or key in (
-        "mean_reward", "mean_length", "truncated_share", "written", "acceptance_rate", "prompts",
-    )  # fmt: skip
-
-
-def _shown(value: Any) -> str:
-    return f"{value:.4g}" if isinstance(value, float) else str(value)

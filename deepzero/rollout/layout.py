@@ -50,6 +50,11 @@ def choose_layout(args: JobArgs, prompt_len: int, completion_len: int) -> Layout
     return Layout(plan.mode, plan.rows_per_call, plan.reason, plan.allocated_bytes)
 
 
+def job_precision(args: JobArgs) -> str:
+    """The weights' dtype: ``--dtype``, or for auto bf16 on CUDA and fp32 on the CPU."""
+    return args.dtype if args.dtype != "auto" else ("bf16" if on_cuda() else "fp32")
+
+
 def load_model(args: JobArgs, meta: dict[str, Any], layout: str, rows: int, tokens: int) -> tuple[Any, torch.nn.Module]:
     """The tokenizer (the data's, checked against the model's own) and the pretrained model in eval mode: a copy on
     this rank's device, or its layers over every card (``deepzero.placement``, each layer's reserve its KV cache of
@@ -62,7 +67,7 @@ def load_model(args: JobArgs, meta: dict[str, Any], layout: str, rows: int, toke
         raise UserError(f"--model {args.model}", "is a random-init preset: nothing to evaluate", "pass a trained model")
     tokenizer = plan_tokenizer(args, meta)
     check_data_tokenizer(args, meta, source)
-    precision = args.dtype if args.dtype != "auto" else ("bf16" if on_cuda() else "fp32")
+    precision = job_precision(args)
     dtype = TORCH_DTYPES[precision]
     config = modeling.load_config(source, args.trust_remote_code)
     device = torch.device("cuda", int(os.environ.get("LOCAL_RANK", "0"))) if on_cuda() else torch.device("cpu")

@@ -78,10 +78,11 @@ def exact_reward(
     answers = [final_answer(c) for c in texts]
     if log_extra is not None:
         log_extra("answer_parsed", answers)
-    return [float(_same(a, final_answer(str(gold)))) for a, gold in zip(answers, answer, strict=True)]
+    return [float(same_answer(a, final_answer(str(gold)))) for a, gold in zip(answers, answer, strict=True)]
 
 
-def _same(a: str, b: str) -> bool:
+def same_answer(a: str, b: str) -> bool:
+    """Whether two final answers are equal: as text, or as numbers (``72.0`` equals ``72``)."""
     if a == b:
         return True
     try:

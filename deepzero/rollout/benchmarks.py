@@ -1,0 +1,274 @@
+"""Benchmarks by name (``evaluate.py --benchmark``): the ones DeepSeek reports R1 on, with lighteval 0.13's prompt
+template, gold answer and scoring for each (``lighteval/tasks/tasks/{aime,math_500,gpqa}.py``).
+
+- ``aime24`` / ``aime25`` (``HuggingFaceH4/aime_2024``, ``yentinglin/aime_2025``): ``problem`` in lighteval's
+  ``MATH_PROMPT_TEMPLATE``, gold ``answer``; scored as ``Metrics.pass_at_k_math``: math-verify extracts expressions
+  and LaTeX from gold and completion (``ExprExtractionConfig``, ``LatexExtractionConfig``) and compares them at 6
+  decimals.
+- ``math500`` (``HuggingFaceH4/MATH-500``): ``problem`` in lighteval's ``MATH_QUERY_TEMPLATE``, gold ``ANSWER:
+  {solution}``, scored as AIME.
+- ``gpqa_diamond`` (``Idavidrein/gpqa``, ``gpqa_diamond``): the question and its four answers shuffled (the correct
+  one at ``random.Random(record index).randint(0, 3)``: fixed, where lighteval draws from the global ``random``) in
+  lighteval's ``gpqa_instruct_prompt``; the completion's letter extracted by lighteval's ``IndicesExtractionConfig``
+  patterns (``NativeLetters``, ``try_extract_without_anchor``), ported here: it must equal the gold letter.
+
+One difference, by the issue's rule: a gold math-verify cannot parse makes every sample of its prompt unscored
+(counted wrong and reported), where lighteval compares the raw gold text with the completion's first match.
+"""
+
+from __future__ import annotations
+
+import random
+import re
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+from functools import cache
+from itertools import groupby
+from pathlib import Path
+from textwrap import dedent
+from typing import Any
+
+from deepzero.errors import UserError
+from deepzero.rollout.votes import Voter
+
+MATH_PROMPT_TEMPLATE = dedent("""
+Solve the following math problem efficiently and clearly.  The last line of your response should be of the following format: 'Therefore, the final answer is: $\\boxed{{ANSWER}}$. I hope it is correct' (without quotes) where ANSWER is just the final number or expression that solves the problem. Think step by step before answering.
+
+{prompt}
+""")  # fmt: skip
+"""lighteval's AIME template (``tasks/aime.py``), byte for byte."""
+
+MATH_QUERY_TEMPLATE = """
+Solve the following problem. The final line of your response MUST be of the following format:
+"ANSWER: $ANSWER" (without quotes) where $ANSWER is the final answer. Think step by step before answering.
+
+{prompt}
+""".strip()
+"""lighteval's MATH-500 template (``tasks/math_500.py``)."""
+
+GPQA_INSTRUCTION = (
+    "Answer the following multiple choice question. The last line of your response should be of the following"
+    " format: 'Answer: $LETTER' (without quotes) where LETTER is one of ABCD. Think step by step before answering."
+)
+GPQA_QUERY_TEMPLATE = "{Instruction}\n\n{Question}\n\nA) {A}\nB) {B}\nC) {C}\nD) {D}"
+"""lighteval's ``gpqa_instruct_prompt`` (``tasks/gpqa.py``)."""
+
+
+@dataclass(frozen=True)
+class Benchmark:
+    """A benchmark: where its data is, what a record must hold, how a record becomes a prompt and a gold answer,
+    and how a completion is scored and voted."""
+
+    name: str
+    hub: str
+    """``hf:NAME[:CONFIG][:SPLIT]``, as prepare reads it."""
+    fields: tuple[str, ...]
+    query: Callable[[dict[str, Any], int], tuple[str, str]]
+    """``(record, index) -> (the user turn, the gold text)``."""
+    scoring: str
+    """``math`` or ``letters``."""
+    lighteval: str
+    """lighteval's task and metric, for the docs and the summary."""
+
+    def records(self, rows: Sequence[dict[str, Any]], where: str) -> list[dict[str, Any]]:
+        """The prompts file's records: the user turn as a message, the gold, the record's index; a record lacking a
+        field is one line naming it."""
+        out = []
+        for i, row in enumerate(rows):
+            missing = [f for f in self.fields if row.get(f) in (None, "")]
+            if missing:
+                raise UserError(
+                    f"--data {where}",
+                    f"record {i} has no {missing[0]!r}: {self.name} records hold {', '.join(self.fields)}",
+                    f"pass {self.name}'s data in its Hub layout ({self.hub})",
+                )
+            user, gold = self.query(row, i)
+            out.append({"prompt": [{"role": "user", "content": user}], "gold": gold, "benchmark_index": i})
+        return out
+
+    def score(self, completions: Sequence[str], gold: Sequence[str]) -> list[float | None]:
+        """1.0 / 0.0 per completion as lighteval scores it (None for each where the gold does not parse)."""
+        voter = self.voter()
+        out: list[float | None] = []
+        for text, g in zip(completions, gold, strict=True):
+            gold_key = voter.key(g, None)
+            if gold_key is None:
+                out.append(None)
+                continue
+            pred = voter.key(text, None)
+            out.append(float(pred is not None and voter.same(gold_key, pred)))
+        return out
+
+    def voter(self) -> Voter:
+        return LETTERS if self.scoring == "letters" else MATH
+
+
+def _aime(record: dict[str, Any], index: int) -> tuple[str, str]:
+    return MATH_PROMPT_TEMPLATE.format(prompt=record["problem"]), str(record["answer"])
+
+
+def _math500(record: dict[str, Any], index: int) -> tuple[str, str]:
+    return MATH_QUERY_TEMPLATE.format(prompt=record["problem"]), f"ANSWER: {record['solution']}"
+
+
+def gpqa_choices(record: dict[str, Any], index: int) -> tuple[list[str], int]:
+    """The four answers, the correct one inserted at a position drawn from ``random.Random(index)`` (as lighteval
+    inserts it at ``random.randint(0, 3)``)."""
+    gold_index = random.Random(index).randint(0, 3)
+    choices = [record["Incorrect Answer 1"], record["Incorrect Answer 2"], record["Incorrect Answer 3"]]
+    choices.insert(gold_index, record["Correct Answer"])
+    return choices, gold_index
+
+
+def _gpqa(record: dict[str, Any], index: int) -> tuple[str, str]:
+    choices, gold_index = gpqa_choices(record, index)
+    query = GPQA_QUERY_TEMPLATE.format(
+        A=choices[0].strip(), B=choices[1].strip(), C=choices[2].strip(), D=choices[3].strip(),
+        Question=record["Question"].strip(), Instruction=GPQA_INSTRUCTION,
+    )  # fmt: skip
+    return query, "ABCD"[gold_index]
+
+
+BENCHMARKS = {
+    b.name: b
+    for b in (
+        Benchmark("aime24", "hf:HuggingFaceH4/aime_2024:default:train", ("problem", "answer"), _aime, "math",
+                  "lighteval|aime24 (pass_at_k_math, avg_at_n_math)"),
+        Benchmark("aime25", "hf:yentinglin/aime_2025:default:train", ("problem", "answer"), _aime, "math",
+                  "lighteval|aime25 (pass_at_k_math, avg_at_n_math)"),
+        Benchmark("math500", "hf:HuggingFaceH4/MATH-500:default:test", ("problem", "solution"), _math500, "math",
+                  "lighteval|math_500 (pass_at_k_math)"),
+        Benchmark("gpqa_diamond", "hf:Idavidrein/gpqa:gpqa_diamond:train",
+                  ("Question", "Correct Answer", "Incorrect Answer 1", "Incorrect Answer 2", "Incorrect Answer 3"),
+                  _gpqa, "letters", "lighteval|gpqa:diamond (gpqa_instruct_pass_at_k)"),
+    )
+}  # fmt: skip
+
+
+def benchmark(name: str) -> Benchmark:
+    if name not in BENCHMARKS:
+        known = ", ".join(BENCHMARKS)
+        raise UserError(f"--benchmark {name}", "is no benchmark here", f"name one of {known} (humaneval, lcb: later)")
+    return BENCHMARKS[name]
+
+
+# -- math: lighteval's pass_at_k_math extraction, by math-verify ---------------------------------------------------
+def _math_configs() -> list[Any]:
+    from math_verify import ExprExtractionConfig, LatexExtractionConfig
+
+    return [ExprExtractionConfig(), LatexExtractionConfig()]
+
+
+def _math_key(text: str, logged: str | None = None) -> Any:
+    """What lighteval's ``pass_at_k_math`` extracts from a (stripped) completion or gold: its parsed expressions and
+    the first match's text; None when no pattern matches."""
+    from math_verify import parse
+
+    return (
+        parse(text.strip(), extraction_config=_math_configs(), fallback_mode="first_match", extraction_mode="any_match")
+        or None
+    )
+
+
+def _math_same(gold: Any, pred: Any) -> bool:
+    from math_verify import verify
+
+    return bool(verify(gold, pred, float_rounding=6))
+
+
+MATH = Voter("math-verify, as lighteval's pass_at_k_math extracts", _math_key, _math_same)
+
+
+# -- letters: lighteval's IndicesExtractionConfig("NativeLetters", try_extract_without_anchor=True), English --------
+@cache
+def _letter_patterns() -> list[tuple[re.Pattern[str], int]]:
+    """lighteval 0.13's ``lazy_indices_regex`` for four English letters, without-anchor patterns included."""
+    indices = "|".join(rf"(?:{i}|\({i}\))" for i in "ABCD")
+    letter = f"(?P<indices>{indices})"
+    full_stop, comma, colon, space = r"[\.\.]", r"[\,\,]", r"[\:\:]", re.escape(" ")
+    prefix = rf"(?:^|{space})(?:\*\*)?"
+    suffix = rf"(?:\*\*)?(?:{full_stop}|{comma}|\s?{colon}|{space}|$)"
+    answer = f"{prefix}{letter}{suffix}"
+    answer_word = "(?i:answer)"
+    patterns = [
+        (rf"(?i:final answer is)\:?\s*{letter}\.?\s?I hope", 0),
+        (rf"(?i:final answer.{{0,100}}?)\s+is\:?\s*{letter}", 50),
+        (rf"{answer_word}\s?{colon}.{{0,50}}?{answer}", 100),
+        (f"{answer_word}.{{0,50}}?{answer}", 150),
+        (rf"^(?:\*\*)?{letter}{suffix}", 200),
+        (rf"\n(?:\*\*)?{letter}{suffix}", 210),
+        (answer, 250),
+        (letter, 300),
+    ]
+    return [(re.compile(p), priority) for p, priority in patterns]
+
+
+def extract_letter(text: str, logged: str | None = None) -> str | None:
+    """The answer letter as lighteval's ``extract_target_from_pred`` finds it: the patterns by priority, within a
+    priority the match ending last (then starting first); None when no pattern matches."""
+    for _, group in groupby(_letter_patterns(), key=lambda p: p[1]):
+        matches = [m for pattern, _ in group for m in pattern.finditer(text)]
+        if matches:
+            best = sorted(matches, key=lambda m: (m.end(), -m.start()), reverse=True)[0]
+            return best.group("indices").replace("(", "").replace(")", "").strip()
+    return None
+
+
+LETTERS = Voter("the answer letter, as lighteval's gpqa_instruct_pass_at_k extracts", extract_letter, str.__eq__)
+
+
+def benchmark_reward(bench: Benchmark) -> Callable[..., list[float | None]]:
+    """The benchmark's scoring as a TRL-signature reward reading the records' ``gold``; logs the extracted answers
+    as ``answer_parsed``."""
+
+    def reward(
+        prompts: list[Any], completions: list[Any], gold: list[str], log_extra: Callable | None = None, **kw: Any
+    ) -> list[float | None]:
+        texts = [c[-1]["content"] if isinstance(c, list) else c for c in completions]
+        if log_extra is not None:
+            keys = [bench.voter().key(t, None) for t in texts]
+            log_extra("answer_parsed", ["[unparseable]" if k is None else str(k) for k in keys])
+        return bench.score(texts, gold)
+
+    reward.__name__ = bench.name
+    return reward
+
+
+def benchmark_rewards(bench: Benchmark) -> Any:
+    """The benchmark's scoring as a run's one reward (named as the benchmark, reading the records' ``gold``)."""
+    from deepzero.rollout.rewards import Reward, RewardSet
+
+    return RewardSet([Reward(bench.name, 1.0, benchmark_reward(bench), messages=False, needs=("gold",))])
+
+
+def prepare_benchmark(bench: Benchmark, data: str, tokenizer: str, completion_len: int, out: Path) -> Path:
+    """The benchmark's records (``data``: a local copy in the Hub layout or ``hf:``) as lighteval's prompts, each a
+    user turn, prepared with ``tokenizer`` (its chat template) into the ``--format prompts`` folder ``out`` (its
+    ``val`` split: every record, in order); a folder already up to date is kept."""
+    import json
+
+    from deepzero.data.prepare import prepare
+    from deepzero.data.sources import iter_records
+
+    records = bench.records([r.fields for r in iter_records([data], flag="--data")], data)
+    out.mkdir(parents=True, exist_ok=True)
+    source = out / f"{bench.name}.jsonl"
+    text = "".join(json.dumps(r, ensure_ascii=False) + "\n" for r in records)
+    if not source.is_file() or source.read_text() != text:
+        source.write_text(text)
+    longest = _longest_prompt(tokenizer, [r["prompt"] for r in records])
+    prepare(
+        [str(source)], out / "data", tokenizer=tokenizer, seq_len=longest + completion_len + 8, fmt="prompts",
+        val_inputs=[str(source)], max_completion_length=completion_len, workers=1,
+    )  # fmt: skip
+    return out / "data"
+
+
+def _longest_prompt(tokenizer: str, prompts: Sequence[list[dict[str, str]]]) -> int:
+    """The most tokens a prompt takes with ``tokenizer``'s chat template and its generation prompt."""
+    from transformers import AutoTokenizer
+
+    tok = AutoTokenizer.from_pretrained(tokenizer)
+    return max(
+        len(tok.apply_chat_template(p, add_generation_prompt=True, tokenize=True, return_dict=False)) for p in prompts
+    )
