@@ -222,6 +222,13 @@ class TrainArgs:
             "[:weight], repeatable (docs/grpo.md)."
         ),
     )
+    sandbox: Literal["bwrap", "rlimits"] = field(
+        default="bwrap",
+        **_help(
+            "GRPO's code rewards: bwrap runs each program in bubblewrap's namespaces (no network, no files but the"
+            " system's); rlimits only with resource limits, where user namespaces are off (weaker: docs/code.md)."
+        ),
+    )
     num_generations: int = field(default=8, **_help("GRPO: completions sampled per prompt (G, a group)."))
     max_completion_length: int | None = field(
         default=None,

@@ -50,9 +50,9 @@ def load_rows(data: str, split: str, bench: Any | None) -> Any:
         from deepzero.data.prompts import PromptDataset
 
         return PromptDataset(data, split)
-    rows = [r.fields for r in iter_records([data], flag="--data")]
     if bench is not None:
-        return RecordRows(bench.records(rows, data))
+        return RecordRows(bench.records(bench.rows(data), data))
+    rows = [r.fields for r in iter_records([data], flag="--data")]
     if bad := next((i for i, r in enumerate(rows) if "prompt" not in r), None):
         raise UserError(f"--data {data}", f"record {bad} has no 'prompt'", "pass a prompts folder, or --benchmark")
     return RecordRows(rows)
@@ -93,8 +93,11 @@ def score(args: argparse.Namespace) -> dict[str, Any]:
     bench = benchmark(args.benchmark) if args.benchmark else None
     if bool(bench) == bool(args.reward):
         raise UserError("--reward / --benchmark", "give exactly one of them", "pass --reward NAME or --benchmark NAME")
+    args.data = args.data or (bench.hub if bench else None)
+    if not args.data:
+        raise UserError("--data", "is required with --reward", "pass a prompts folder or records")
     rows = load_rows(args.data, args.split, bench)
-    rewards = benchmark_rewards(bench) if bench else parse_rewards(args.reward)
+    rewards = benchmark_rewards(bench, args.sandbox) if bench else parse_rewards(args.reward, sandbox=args.sandbox)
     judge = Judge.of(rewards, args.correct, bench.voter() if bench else None)
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
@@ -132,12 +135,13 @@ def main(argv: Sequence[str] | None = None) -> int:
 
     p = argparse.ArgumentParser(prog="python -m deepzero.score", description=__doc__.split("\n\n")[0])
     p.add_argument("--samples", required=True, help="samples.jsonl: index and completions per line")
-    p.add_argument("--data", required=True, help="a prompts folder, or records (with --benchmark in its layout)")
+    p.add_argument("--data", default=None, help="a prompts folder, or records (with --benchmark in its layout)")
     p.add_argument("--reward", nargs="+", default=[], help="rewards, as evaluate.py's --reward")
-    p.add_argument("--benchmark", default=None, help="aime24, aime25, math500 or gpqa_diamond")
+    p.add_argument("--benchmark", default=None, help="aime24, aime25, math500, gpqa_diamond or humaneval")
     p.add_argument("--correct", default=None, help="NAME OP NUMBER (default: the first reward >= 1)")
     p.add_argument("--pass-k", type=int, nargs="+", default=None, help="k's of pass@k (default: 1, 2, 4, ..., n)")
     p.add_argument("--split", default="val", help="a prompts folder's split")
+    p.add_argument("--sandbox", default="bwrap", choices=["bwrap", "rlimits"], help="code rewards' containment")
     p.add_argument("--out", required=True, help="folder for samples.jsonl and summary.json")
     args = p.parse_args(argv)
     try:

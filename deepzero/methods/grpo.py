@@ -89,7 +89,8 @@ def plan(args: TrainArgs, meta: dict[str, Any], config: Any) -> tuple[GRPOSettin
         )
     from deepzero.rollout.rewards import parse_rewards
 
-    rewards = parse_rewards(list(args.reward), int(meta.get("max_completion_length") or settings.max_completion_length))
+    length = int(meta.get("max_completion_length") or settings.max_completion_length)
+    rewards = parse_rewards(list(args.reward), length, sandbox=args.sandbox)
     rewards.check_fields(meta.get("record_fields", []), args.data)
     return settings, rewards
 

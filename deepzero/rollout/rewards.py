@@ -49,7 +49,16 @@ import torch
 
 from deepzero.errors import UserError
 
-BUILTINS = ("accuracy", "reasoning_accuracy", "think_format", "soft_overlong", "exact")
+BUILTINS = (
+    "accuracy",
+    "reasoning_accuracy",
+    "think_format",
+    "soft_overlong",
+    "exact",
+    "code",
+    "code_io",
+    "code_io_all",
+)
 _FIX_SPEC = f"pass --reward NAME[:WEIGHT] with NAME one of {', '.join(BUILTINS)} or path/to/file.py:function"
 _NUMBER = re.compile(r"-?\d[\d,]*(?:\.\d+)?|-?\.\d+")
 _BOXED = re.compile(r"\\boxed\{([^{}]*)\}")
@@ -280,7 +289,10 @@ def _raises(call: Callable[[list[int]], Any], i: int) -> bool:
 
 
 def parse_rewards(
-    specs: Sequence[str], max_completion_length: int | None = None, soft_punish_cache: int | None = None
+    specs: Sequence[str],
+    max_completion_length: int | None = None,
+    soft_punish_cache: int | None = None,
+    sandbox: str = "bwrap",
 ) -> RewardSet:
     """The ``--reward`` specs as a :class:`RewardSet`; every problem is one line, raised here.
 
@@ -290,7 +302,7 @@ def parse_rewards(
         raise UserError("--reward", "no reward given: GRPO needs at least one", _FIX_SPEC)
     rewards = []
     for spec in specs:
-        reward = _parse_one(spec, max_completion_length, soft_punish_cache)
+        reward = _parse_one(spec, max_completion_length, soft_punish_cache, sandbox)
         if reward.where in (r.where for r in rewards):
             raise UserError(
                 f"--reward {spec}", f"{reward.where} is given twice", "give each reward once, with its weight"
@@ -306,7 +318,7 @@ def parse_rewards(
     return RewardSet(rewards)
 
 
-def _parse_one(spec: str, max_completion_length: int | None, cache: int | None) -> Reward:
+def _parse_one(spec: str, max_completion_length: int | None, cache: int | None, sandbox: str = "bwrap") -> Reward:
     where = f"--reward {spec}"
     if ".py:" in spec:
         path, _, rest = spec.partition(".py:")
@@ -346,7 +358,28 @@ def _parse_one(spec: str, max_completion_length: int | None, cache: int | None) 
         return Reward(name, w, get_soft_overlong_punishment(max_completion_length, cache), messages=True)
     if name == "exact":
         return Reward(name, w, exact_reward, messages=False, needs=("answer",))
+    if name in ("code", "code_io", "code_io_all"):
+        from deepzero.rollout.code_rewards import code_io_reward, code_reward
+
+        box = shared_sandbox(sandbox)
+        if name == "code":
+            return Reward(name, w, code_reward(box), messages=False, needs=("test",))
+        return Reward(
+            name, w, code_io_reward(box, all_pass=name == "code_io_all"), messages=False, needs=("test_cases",)
+        )
     raise UserError(where, f"unknown reward '{name}'", _FIX_SPEC)
+
+
+_SANDBOXES: dict[str, Any] = {}
+
+
+def shared_sandbox(mode: str) -> Any:
+    """This process's sandbox of ``mode`` (``--sandbox``), made (and checked) once."""
+    from deepzero.rollout.sandbox import Sandbox
+
+    if mode not in _SANDBOXES:
+        _SANDBOXES[mode] = Sandbox(mode)
+    return _SANDBOXES[mode]
 
 
 def _weight(text: str, where: str) -> float:
