@@ -20,7 +20,7 @@ TEST_WORKERS ?= 2
 ACCELERATOR ?= $(shell $(BIN)/python -c "import torch; print('cuda' if torch.cuda.is_available() else 'cpu')")
 LAUNCH = PATH="$(CURDIR)/$(BIN):$$PATH" DS_ACCELERATOR=$(ACCELERATOR) deepspeed --log_level=error --num_gpus=$(NUM_GPUS)
 
-.PHONY: setup data train sft sft-long dpo grpo grpo-math eval sample test lint plan doctor plot bench bench-gpu clean
+.PHONY: setup data train sft sft-long dpo grpo grpo-math grpo-code eval eval-code sample test lint plan doctor plot bench bench-gpu clean
 
 setup: $(VENV)/.installed
 
@@ -152,6 +152,36 @@ sample: setup
 	$(LAUNCH) sample.py --model $(EVAL_AFTER) --data $(EVAL_DATA) --split train --out $(RS_OUT) --resume $(RS_ARGS)
 	$(BIN)/python data/prepare.py --input $(RS_OUT) --format chat --tokenizer $(EVAL_AFTER) --seq-len 48 \
 		--val-fraction 0.1 --out $(RS_DATA)
+
+# Code GRPO example (docs/code.md): 200 tasks `def answer_N():` whose test wants N; a cold start on half of them written
+# out (plain text, a BPE trained on it), then GRPO from that export on every task with --reward code (the program and
+# its test run in the sandbox); `make eval-code` compares the held-out pass@1 before and after.
+CODE_SFT      ?= artifacts/data/code_sft
+CODE_PROMPTS  ?= artifacts/data/code_prompts
+CODE_SFT_OUT  ?= runs/code-sft
+CODE_OUT      ?= runs/code-grpo
+CODE_SFT_ARGS ?= --max-steps 300 --warmup-steps 5 --micro-batch 4 --grad-accum 1 --log-interval 50 \
+	--eval-interval 100 --eval-batches 1 --save-interval 0
+CODE_ARGS     ?= --reward code --num-generations 8 --micro-batch 8 --grad-accum 1 --max-steps 150 \
+	--warmup-steps 2 --lr 2e-4 --log-interval 10 --eval-interval 30 --eval-batches 10 --eval-sampling r1 --save-interval 0
+grpo-code: setup
+	$(BIN)/python data/code_example.py --sft $(CODE_SFT).jsonl --prompts $(CODE_PROMPTS).jsonl
+	$(BIN)/python data/prepare.py --input $(CODE_SFT).jsonl --format text --tokenizer train --vocab-size 300 \
+		--seq-len 32 --val-fraction 0.1 --out $(CODE_SFT)
+	$(LAUNCH) train.py --deepspeed_config $(DS_CONFIG) --data $(CODE_SFT) --out $(CODE_SFT_OUT) $(CODE_SFT_ARGS)
+	$(BIN)/python data/prepare.py --input $(CODE_PROMPTS).jsonl --format prompts --tokenizer $(CODE_SFT_OUT)/hf \
+		--seq-len 24 --max-completion-length 8 --val-fraction 0.1 --out $(CODE_PROMPTS)
+	$(LAUNCH) train.py --deepspeed_config $(DS_CONFIG) --model $(CODE_SFT_OUT)/hf --data $(CODE_PROMPTS) \
+		--out $(CODE_OUT) $(CODE_ARGS)
+
+CODE_EVAL_OUT ?= runs/eval-code
+eval-code: setup
+	test -f $(CODE_OUT)/hf/config.json || $(MAKE) grpo-code
+	$(LAUNCH) evaluate.py --model $(CODE_SFT_OUT)/hf --data $(CODE_PROMPTS) --out $(CODE_EVAL_OUT)/before --resume \
+		--reward code --samples 8
+	$(LAUNCH) evaluate.py --model $(CODE_OUT)/hf --data $(CODE_PROMPTS) --out $(CODE_EVAL_OUT)/after --resume \
+		--reward code --samples 8
+	$(BIN)/python -m deepzero.rollout.compare $(CODE_EVAL_OUT)/before $(CODE_EVAL_OUT)/after
 
 test: setup
 	$(BIN)/python -m pytest $(if $(filter-out 1,$(TEST_WORKERS)),-n $(TEST_WORKERS) --dist loadfile) $(PYTEST_ARGS) tests; rc=$$?; \

@@ -222,6 +222,10 @@ class TrainArgs:
             "[:weight], repeatable (docs/grpo.md)."
         ),
     )
+    reward_timeout: float = field(
+        default=600.0,
+        **_help("GRPO: seconds a reward call may take before the run stops with one line naming it (0: no limit)."),
+    )
     sandbox: Literal["bwrap", "rlimits"] = field(
         default="bwrap",
         **_help(

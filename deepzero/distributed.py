@@ -18,6 +18,7 @@ import torch.distributed as dist
 from deepspeed.accelerator import get_accelerator
 
 from deepzero.errors import RaisedElsewhere, UserError
+from deepzero.op_builds import check_op_builds
 from deepzero.quiet import printed_lines_dropped
 
 SHM_DIR = Path("/dev/shm")
@@ -46,6 +47,7 @@ def init_distributed() -> tuple[int, int]:
     if not on_cuda() and "OMP_NUM_THREADS" not in os.environ:
         local_world = int(os.environ.get("LOCAL_WORLD_SIZE", os.environ["WORLD_SIZE"]))
         torch.set_num_threads(max(1, (os.cpu_count() or 1) // local_world))  # CPU ranks share the cores
+    check_op_builds()  # DeepSpeed builds its CPU comm op here: never behind a killed build's lock
     with printed_lines_dropped():
         deepspeed.init_distributed(dist_init_required=True, verbose=False)
     release_shm_buffers()

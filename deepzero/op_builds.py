@@ -1,7 +1,15 @@
 """DeepSpeed compiles its C++ ops (CPU Adam, the CPU all-reduce) on first use, under a lock file.
 
 torch's builder waits, silently and for ever, while that lock exists; a build that was killed (Ctrl-C, a job
-time limit, a lost session) leaves it behind, and every later launch then hangs before its first step.
+time limit, a lost session) leaves it behind, and every later launch then hangs before its first step. So every
+deepzero process holds a shared ``flock`` on ``OWNERS`` in the build folder for its life (the kernel drops it when the
+process dies, however it dies): a process that can take it exclusively knows no deepzero process is alive there,
+so every op lock in the folder is a killed build's and is removed at once, with one line. A lock beside a live
+deepzero process is some launch's build in progress (or another tool's): it is only called stale after
+``STALE_AFTER_S``.
+
+Each environment builds into its own folder (``TORCH_EXTENSIONS_DIR`` under ``sys.prefix``, set in
+``deepzero/__init__.py`` unless the user set one), so two checkouts never rebuild each other's ops.
 
 ``python -m deepzero.op_builds [PRESET]`` (run by ``make setup`` for the seed preset) compiles the ops a preset loads
 on the CPU accelerator once, up front: the first launch would otherwise stall a minute or more on 2 cores, every rank
@@ -23,6 +31,9 @@ from deepzero.errors import UserError
 
 # A build takes minutes (about 1 for CPU Adam on 2 cores); a lock this old has no live builder behind it.
 STALE_AFTER_S = 30 * 60
+OWNERS = "deepzero-processes.lock"
+"""The file every deepzero process holds a shared flock on (the build folder's live users)."""
+_held: dict[Path, Any] = {}
 
 
 def build_root() -> Path:
@@ -40,8 +51,41 @@ def stale_locks(root: Path | None = None, now: float | None = None) -> list[Path
     return [lock for mtime, lock in sorted(aged) if now - mtime > STALE_AFTER_S]
 
 
+def op_locks(root: Path) -> list[Path]:
+    """Every op build lock file in ``root`` (both layouts torch uses)."""
+    return sorted(lock for lock in [*root.glob("*/lock"), *root.glob("*/*/lock")] if lock.is_file())
+
+
+def claim_op_builds(root: Path | None = None) -> list[Path]:
+    """At a process's start: when no other deepzero process is alive on ``root`` (an exclusive flock on ``OWNERS``
+    succeeds), remove every op lock there (a killed build's) and return them; then hold a shared flock for this
+    process's life. Once per process and folder."""
+    import fcntl
+
+    root = root or build_root()
+    if root in _held:
+        return []
+    root.mkdir(parents=True, exist_ok=True)
+    handle = (root / OWNERS).open("a")
+    removed = []
+    try:
+        fcntl.flock(handle, fcntl.LOCK_EX | fcntl.LOCK_NB)
+    except BlockingIOError:
+        pass  # another deepzero process lives: its builds are its own
+    else:
+        for lock in op_locks(root):
+            lock.unlink(missing_ok=True)
+            removed.append(lock)
+            print(f"deepzero: removed {lock}, left by a DeepSpeed op build that was killed; this launch builds the op")
+    fcntl.flock(handle, fcntl.LOCK_SH)
+    _held[root] = handle
+    return removed
+
+
 def check_op_builds(root: Path | None = None) -> None:
-    """Refuse to start behind a lock that a killed build left: that launch would hang with no message."""
+    """Clear the locks killed builds left (:func:`claim_op_builds`); refuse to start behind one too old to be a
+    live build's: that launch would hang with no message."""
+    claim_op_builds(root)
     stale = stale_locks(root)
     if stale:
         lock = stale[0]

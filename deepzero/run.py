@@ -32,7 +32,7 @@ from deepzero import (
 )
 from deepzero import sequence_parallel as sp
 from deepzero.adapters import quant
-from deepzero.adapters.lora import LoraSpec
+from deepzero.adapters.lora import LoraSpec, check_same_adapters
 from deepzero.args import TrainArgs
 from deepzero.data import PackedDataset, check_enough_rows, load_meta, open_split
 from deepzero.distributed import init_distributed
@@ -117,6 +117,8 @@ def plan_run(args: TrainArgs, world: int) -> RunPlan:
     """Resolve the preset against the real world size, check data and model against each other."""
     check_writable(args.out_dir)
     check_op_builds()
+    if args.resume:
+        check_same_adapters(args.out_dir / "run_config.json", args.lora, args.load_in_4bit)
     meta = load_meta(args.data)
     source = modeling.resolve_model(args.model)
     config = modeling.load_config(source, args.trust_remote_code)
@@ -372,9 +374,14 @@ def usable_val_split(
     if not meta["n_rows"].get("val"):
         return None
     val_data = open_split(args.data, "val", documents=args.packing == "documents", vocab_size=vocab_size)
-    if args.eval_interval and len(val_data) < batch.micro * batch.dp_size:
+    per, what = batch.micro, f"micro {batch.micro}"
+    if meta.get("format") == "prompts":  # GRPO's eval micro-batch counts prompts, each sampled G_eval times
+        g = 1 if args.eval_sampling == "greedy" else (args.num_generations_eval or args.num_generations)
+        per, what = max(1, batch.micro // g), f"{max(1, batch.micro // g)} prompt(s): micro {batch.micro} ÷ {g} samples"
+    if args.eval_interval and len(val_data) < per * batch.dp_size:
+        unit = "prompts" if meta.get("format") == "prompts" else "rows"
         warn(
-            f"{args.data}: val split has {len(val_data)} rows, fewer than one eval round (micro {batch.micro}"
+            f"{args.data}: val split has {len(val_data)} {unit}, fewer than one eval round ({what}"
             f" × data-parallel {batch.dp_size}); evaluation is off. Fix: prepare with a larger --val-fraction"
         )
         return None

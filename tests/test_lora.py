@@ -341,3 +341,29 @@ def test_the_offline_export_merges_a_lora_checkpoint_and_the_adapter_folder_name
     folder = json.loads((out / "hf-adapter" / "adapter_config.json").read_text())
     wrapped = [n for n, _ in tiny().named_modules() if n.rsplit(".", 1)[-1] in ALL_LINEAR]
     assert sorted(folder["target_modules"]) == sorted(wrapped) and len(wrapped) == WRAPPED[name]
+
+
+def test_a_resume_with_other_adapters_or_another_base_is_one_line_naming_the_key(tmp_path) -> None:
+    """--resume reads the run's run_config.json before any weight loads: another LoRA rank, alpha, dropout or targets
+    (or LoRA added or dropped, or another 4-bit choice) would load a checkpoint of another model."""
+    import json
+
+    from deepzero.adapters.lora import check_same_adapters
+    from deepzero.errors import UserError
+
+    first = tmp_path / "run_config.json"
+    first.write_text(json.dumps({"args": {"lora": "r=8,alpha=16,targets=attn", "load_in_4bit": True}}))
+    check_same_adapters(first, "r=8,alpha=16,targets=attn", True)  # the same: accepted
+    check_same_adapters(first, "r=8,targets=attn", None)  # alpha's default is 2 × r; 4-bit deferred to the preset
+    for lora, four_bit, line in [
+        ("r=8,alpha=64,targets=attn", True, "--lora alpha was 16.0, now 64.0"),
+        ("r=4,alpha=16,targets=attn", True, "--lora r was 8, now 4"),
+        ("r=8,alpha=16,targets=attn,mlp", True, "--lora targets was ('attn',), now ('attn', 'mlp')"),
+        ("r=8,alpha=16,dropout=0.1,targets=attn", True, "--lora dropout was 0.0, now 0.1"),
+        (None, True, "the run trained LoRA adapters, this launch asks no --lora"),
+        ("r=8,alpha=16,targets=attn", False, "load_in_4bit was True, now False"),
+    ]:
+        with pytest.raises(UserError, match=re.escape(line)) as err:
+            check_same_adapters(first, lora, four_bit)
+        assert str(err.value).startswith(f"--resume ({first})") and "Fix: " in str(err.value)
+    check_same_adapters(tmp_path / "missing.json", "r=4", None)  # no run_config yet: nothing to compare

@@ -1,9 +1,12 @@
-"""A lock left by a killed DeepSpeed op build is found (both folder layouts torch uses); a live build's is not."""
+"""A lock left by a killed DeepSpeed op build is cleared at once when no deepzero process lives, found by its age
+beside a live one (both folder layouts torch uses); each environment builds into its own folder."""
 
 from __future__ import annotations
 
 import os
 import re
+import subprocess
+import sys
 import time
 from pathlib import Path
 
@@ -11,6 +14,7 @@ import pytest
 
 from deepzero.errors import UserError
 from deepzero.op_builds import STALE_AFTER_S, check_op_builds, stale_locks
+from tests.conftest import REPO
 
 
 def lock(path: Path, age_s: float) -> Path:
@@ -21,15 +25,61 @@ def lock(path: Path, age_s: float) -> Path:
     return path
 
 
-def test_only_locks_older_than_a_build_can_take_are_stale(tmp_path: Path) -> None:
+HOLD = "import sys, time; from pathlib import Path; from deepzero.op_builds import claim_op_builds\n"
+HOLD += "claim_op_builds(Path(sys.argv[1])); print('holding', flush=True); time.sleep(60)"
+
+
+def live_process(root: Path) -> subprocess.Popen:
+    """Another deepzero process on ``root`` (it holds the shared flock, as every launch does)."""
+    proc = subprocess.Popen([sys.executable, "-c", HOLD, str(root)], cwd=REPO, stdout=subprocess.PIPE, text=True)
+    assert proc.stdout.readline().strip() == "holding"
+    return proc
+
+
+def test_with_a_live_process_only_locks_older_than_a_build_can_take_are_stale(tmp_path: Path) -> None:
     old = lock(tmp_path / "py311_cpu" / "fused_adam" / "lock", STALE_AFTER_S + 60)  # default root layout
     older = lock(tmp_path / "deepspeed_shm_comm" / "lock", 2 * STALE_AFTER_S)  # $TORCH_EXTENSIONS_DIR layout
-    lock(tmp_path / "py311_cpu" / "cpu_adam" / "lock", 30)  # a build running now
-    assert stale_locks(tmp_path) == [older, old]
-    with pytest.raises(
-        UserError, match=f"{re.escape(str(older))}: left by a DeepSpeed op build .* Fix: rm {re.escape(str(older))}"
-    ):
-        check_op_builds(tmp_path)
+    young = lock(tmp_path / "py311_cpu" / "cpu_adam" / "lock", 30)  # a build running now, in the live process
+    other = live_process(tmp_path)
+    try:
+        assert stale_locks(tmp_path) == [older, old]
+        with pytest.raises(
+            UserError, match=f"{re.escape(str(older))}: left by a DeepSpeed op build .* Fix: rm {re.escape(str(older))}"
+        ):
+            check_op_builds(tmp_path)
+        assert young.exists()
+    finally:
+        other.kill()
+        other.wait()
+
+
+def test_a_killed_builds_lock_is_cleared_at_once_when_no_deepzero_process_lives(tmp_path: Path) -> None:
+    """A build killed a second ago (its lock fresh): the next launch, the only deepzero process on the folder,
+    removes it with one line and goes on to build; with a live process beside, it stays (that build is running)."""
+    fresh = lock(tmp_path / "deepspeed_shm_comm" / "lock", 1)
+    other = live_process(tmp_path)
+    try:
+        code = f"from pathlib import Path; from deepzero.op_builds import check_op_builds; check_op_builds(Path({str(tmp_path)!r}))"
+        kept = subprocess.run([sys.executable, "-c", code], cwd=REPO, capture_output=True, text=True)
+        assert kept.returncode == 0 and fresh.exists() and "removed" not in kept.stdout
+    finally:
+        other.kill()
+        other.wait()
+    cleared = subprocess.run([sys.executable, "-c", code], cwd=REPO, capture_output=True, text=True)
+    assert cleared.returncode == 0 and not fresh.exists()
+    assert f"removed {fresh}, left by a DeepSpeed op build that was killed" in cleared.stdout
+
+
+def test_each_environment_builds_into_its_own_folder() -> None:
+    """Unless the user set TORCH_EXTENSIONS_DIR, ops build under this environment's prefix: two checkouts with their
+    own .venv never rebuild each other's."""
+    env = {k: v for k, v in os.environ.items() if k != "TORCH_EXTENSIONS_DIR"}
+    code = "from deepzero.op_builds import build_root; print(build_root())"
+    out = subprocess.run([sys.executable, "-c", code], cwd=REPO, capture_output=True, text=True, env=env).stdout
+    assert Path(out.strip()) == Path(sys.prefix) / "torch_extensions"
+    mine = subprocess.run([sys.executable, "-c", code], cwd=REPO, capture_output=True, text=True,
+                          env=env | {"TORCH_EXTENSIONS_DIR": "/somewhere/else"}).stdout  # fmt: skip
+    assert mine.strip() == "/somewhere/else"
 
 
 def test_no_locks_no_error(tmp_path: Path) -> None:

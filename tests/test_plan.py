@@ -752,3 +752,17 @@ def test_sequence_parallelism_divides_the_slices_and_adds_the_gathered_keys_and_
     rows = plan.longest_sequences(qwen, N, 24 * plan.GiB, 128 * plan.GiB)
     assert {r.setup.sequence_parallel for r in rows} == {1, 3}
     assert max(r.seq_len for r in rows if r.setup.sequence_parallel == 3) >= 131_072
+
+
+def test_a_model_of_another_layout_is_one_line_from_the_planner(tmp_path: Path) -> None:
+    """A GPT-2-shaped base (no model.layers) gets one line naming its kind, not three tracebacks."""
+    from transformers import GPT2Config, GPT2LMHeadModel
+
+    config = GPT2Config(n_layer=2, n_embd=64, n_head=4, vocab_size=300, bos_token_id=0, eos_token_id=0)
+    GPT2LMHeadModel(config).save_pretrained(tmp_path / "gpt2")
+    for extra in ([], ["--evaluate"]):
+        cmd = [sys.executable, "-m", "deepzero.plan", "--model", str(tmp_path / "gpt2"), *extra]
+        proc = subprocess.run(cmd, cwd=REPO, capture_output=True, text=True, env=cpu_env())
+        assert proc.returncode == 2 and "Traceback" not in proc.stderr, proc.stderr[-2000:]
+        (line,) = [x for x in proc.stderr.splitlines() if x.startswith("error:")]
+        assert "is a gpt2 model, whose decoder layers are not at model.layers" in line

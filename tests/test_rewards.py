@@ -182,3 +182,19 @@ def test_bad_specs_are_one_line_at_parse_time(tmp_path: Path) -> None:
     rewards.check_fields(["answer", "id"], "data/gsm8k")
     with pytest.raises(UserError, match=r"--reward exact: reads the records' 'answer' field, data/gsm8k has \['id'\]"):
         rewards.check_fields(["id"], "data/gsm8k")
+
+
+def test_a_reward_that_never_returns_is_one_line_naming_it_after_reward_timeout(tmp_path) -> None:
+    """A reward sleeping far past --reward-timeout stops at the deadline with one line naming the file and function
+    (a hung reward otherwise hangs every rank without a word)."""
+    import time
+
+    from deepzero.errors import UserError
+    from deepzero.rollout.rewards import parse_rewards
+
+    (tmp_path / "slow.py").write_text("import time\ndef sleepy(prompts, completions, **kw):\n    time.sleep(60)\n")
+    rewards = parse_rewards([f"{tmp_path / 'slow.py'}:sleepy"], timeout_s=0.5)
+    start = time.monotonic()
+    with pytest.raises(UserError, match=r"slow\.py:sleepy: did not return within 0\.5 s.*--reward-timeout"):
+        rewards.score(["p"], ["c"], [[1]], [{}])
+    assert time.monotonic() - start < 5

@@ -427,3 +427,42 @@ def _write_adapter_folder(state_dict: dict[str, torch.Tensor], config: Any, out_
 
 def _rank() -> int:
     return dist.get_rank() if dist.is_initialized() else int(os.environ.get("RANK", "0"))
+
+
+def check_same_adapters(run_config: Path, lora: str | None, load_in_4bit: bool | None) -> None:
+    """A resumed run must train the adapters its checkpoint holds (``run_config``: the run's ``run_config.json``):
+    another rank, alpha, dropout, targets or 4-bit base is one line naming the key and both values."""
+    import json
+
+    if not run_config.is_file():
+        return
+    saved, where = json.loads(run_config.read_text()).get("args", {}), str(run_config)
+    before, now = saved.get("lora"), lora
+    if (before is None) != (now is None):
+        raise UserError(
+            f"--resume ({where})",
+            f"the run trained {'LoRA adapters' if before else 'every weight'}, this launch asks"
+            f" {'--lora ' + str(now) if now else 'no --lora'}",
+            f"pass {'--lora ' + before if before else 'no --lora'} to resume it, or another --out",
+        )
+    if before is not None:
+        a, b = LoraSpec.parse(before), LoraSpec.parse(now)
+        for key, x, y in (
+            ("r", a.r, b.r),
+            ("alpha", a.lora_alpha, b.lora_alpha),
+            ("dropout", a.dropout, b.dropout),
+            ("targets", a.targets, b.targets),
+        ):
+            if x != y:
+                raise UserError(
+                    f"--resume ({where})",
+                    f"--lora {key} was {x!r}, now {y!r}: the checkpoint's adapters are another model",
+                    f"pass --lora {before} to resume it, or another --out",
+                )
+    was = saved.get("load_in_4bit")
+    if was is not None and load_in_4bit is not None and bool(was) != bool(load_in_4bit):
+        raise UserError(
+            f"--resume ({where})",
+            f"load_in_4bit was {bool(saved.get('load_in_4bit'))}, now {bool(load_in_4bit)}: another base",
+            "pass the same --load-in-4bit, or another --out",
+        )

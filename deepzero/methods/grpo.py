@@ -90,7 +90,7 @@ def plan(args: TrainArgs, meta: dict[str, Any], config: Any) -> tuple[GRPOSettin
     from deepzero.rollout.rewards import parse_rewards
 
     length = int(meta.get("max_completion_length") or settings.max_completion_length)
-    rewards = parse_rewards(list(args.reward), length, sandbox=args.sandbox)
+    rewards = parse_rewards(list(args.reward), length, sandbox=args.sandbox, timeout_s=args.reward_timeout)
     rewards.check_fields(meta.get("record_fields", []), args.data)
     return settings, rewards
 

@@ -9,6 +9,7 @@ from transformers import AutoModelForCausalLM, PretrainedConfig
 
 from deepzero.adapters import quant
 from deepzero.adapters.lora import LoraSpec
+from deepzero.errors import UserError
 from deepzero.flops import routed_experts
 
 
@@ -123,6 +124,14 @@ def model_stats(config: PretrainedConfig, name: str = "model", lora: LoraSpec | 
     adapters that spec wraps (``deepzero.adapters.lora``'s own target resolution); None: every decoder linear."""
     with torch.device("meta"):
         model = AutoModelForCausalLM.from_config(config)
+    if not isinstance(getattr(getattr(model, "model", None), "layers", None), torch.nn.ModuleList):
+        kind = getattr(config, "model_type", type(model).__name__)
+        raise UserError(
+            f"--model {name}",
+            f"is a {kind} model, whose decoder layers are not at model.layers (the Llama/Qwen/DeepSeek layout"
+            " the planner, placement and LoRA targets read)",
+            "pass a DeepSeek, Llama, Qwen or Mistral-family model",
+        )
     params = list(model.parameters())  # deduplicates tied weights, like DeepSpeed sees them
     numels = tuple(p.numel() for p in params)
     arch = _arch(config, model)

@@ -41,6 +41,7 @@ class JobArgs:
     reward: list[str] = field(
         default_factory=list, **_help("Reward NAME[:WEIGHT] or file.py:function, repeatable (as train.py's).")
     )
+    reward_timeout: float = field(default=600.0, **_help("Seconds a reward call may take (0: no limit)."))
     sandbox: Literal["bwrap", "rlimits"] = field(
         default="bwrap", **_help("Code rewards: bwrap (namespaces) or rlimits (weaker: docs/code.md).")
     )

@@ -117,7 +117,9 @@ class Job:
         if bench is not None:
             self.rewards: RewardSet = benchmark_rewards(bench)
         else:
-            self.rewards = parse_rewards(args.reward, self.completion_len, sandbox=args.sandbox)
+            self.rewards = parse_rewards(
+                args.reward, self.completion_len, sandbox=args.sandbox, timeout_s=args.reward_timeout
+            )
             self.rewards.check_fields(self.data.meta.get("record_fields", []), args.data)
         self.judge = Judge.of(self.rewards, args.correct, bench.voter() if bench else None)
         self.correct = self.judge.correct

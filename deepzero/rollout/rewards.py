@@ -33,13 +33,16 @@ stops the run with one line naming it and the record.
 
 from __future__ import annotations
 
+import contextlib
 import importlib.util
 import inspect
 import math
 import numbers
 import re
+import signal
 import sys
-from collections.abc import Callable, Sequence
+import threading
+from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from types import SimpleNamespace
@@ -121,11 +124,17 @@ class Reward:
         return self.source or self.name
 
 
-class RewardSet:
-    """The run's rewards: :meth:`score` gives the weighted total per completion and each reward's values."""
+DEFAULT_TIMEOUT_S = 600.0
+"""``--reward-timeout``'s default: a reward call longer than this is a hung reward."""
 
-    def __init__(self, rewards: Sequence[Reward]) -> None:
+
+class RewardSet:
+    """The run's rewards: :meth:`score` gives the weighted total per completion and each reward's values; a call
+    longer than ``timeout_s`` (0: none) stops the run with one line naming the reward."""
+
+    def __init__(self, rewards: Sequence[Reward], timeout_s: float = DEFAULT_TIMEOUT_S) -> None:
         self.rewards = list(rewards)
+        self.timeout_s = timeout_s
         self.names: list[str] = [r.name for r in self.rewards]
         self.weights = torch.tensor([r.weight for r in self.rewards], dtype=torch.float32)
 
@@ -226,7 +235,10 @@ class RewardSet:
                     f"prepare the data with --columns {r.needs[-1]}=YOUR_FIELD, or drop --reward {r.where}",
                 )
         try:
-            out = call(rows)
+            with _deadline(self.timeout_s, where):
+                out = call(rows)
+        except UserError:
+            raise
         except Exception as err:  # a user's function may raise anything; it is named and re-raised
             first = next((i for i in rows if _raises(call, i)), None)
             at = record(first) if first is not None else f"a batch of {len(rows)} completions"
@@ -240,6 +252,30 @@ class RewardSet:
             if value is not None and not isinstance(value, numbers.Real):
                 raise UserError(where, f"returned {value!r} ({type(value).__name__}) for {record(i)}", fix)
         return torch.tensor([math.nan if v is None else float(v) for v in out], dtype=torch.float32)
+
+
+@contextlib.contextmanager
+def _deadline(seconds: float, where: str) -> Iterator[None]:
+    """A call that runs past ``seconds`` (on the main thread, where a timer signal can interrupt it) becomes one line
+    naming ``where``; elsewhere, or with 0, no limit."""
+    if not seconds or threading.current_thread() is not threading.main_thread():
+        yield
+        return
+
+    def expire(signum: int, frame: Any) -> None:
+        raise UserError(
+            where,
+            f"did not return within {seconds:g} s (a hung reward stops every rank)",
+            "make it faster, or pass a larger --reward-timeout (0: no limit)",
+        )
+
+    previous = signal.signal(signal.SIGALRM, expire)
+    signal.setitimer(signal.ITIMER_REAL, seconds)
+    try:
+        yield
+    finally:
+        signal.setitimer(signal.ITIMER_REAL, 0)
+        signal.signal(signal.SIGALRM, previous)
 
 
 @dataclass
@@ -293,6 +329,7 @@ def parse_rewards(
     max_completion_length: int | None = None,
     soft_punish_cache: int | None = None,
     sandbox: str = "bwrap",
+    timeout_s: float = DEFAULT_TIMEOUT_S,
 ) -> RewardSet:
     """The ``--reward`` specs as a :class:`RewardSet`; every problem is one line, raised here.
 
@@ -315,7 +352,7 @@ def parse_rewards(
                 "rename one of the two functions",
             )
         rewards.append(reward)
-    return RewardSet(rewards)
+    return RewardSet(rewards, timeout_s)
 
 
 def _parse_one(spec: str, max_completion_length: int | None, cache: int | None, sandbox: str = "bwrap") -> Reward:

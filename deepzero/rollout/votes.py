@@ -4,6 +4,7 @@ judges the samples.
 - ``accuracy`` / ``reasoning_accuracy`` (TRL's): the answer math-verify parses as TRL's reward does; answers
   math-verify judges equal vote together (``\\frac{1}{2}``, ``0.5`` and ``1/2`` are one answer).
 - ``exact``: its final answer (:func:`deepzero.rollout.rewards.final_answer`), equal as text or as numbers.
+- ``code``, ``code_io``, ``code_io_all``: the program's text (the same program votes together).
 - a benchmark: its own extraction and comparison (:mod:`deepzero.rollout.benchmarks`).
 - a user's reward: the ``answer_parsed`` column it logs (as TRL's accuracy rewards do), equal as text.
 
@@ -95,7 +96,10 @@ ACCURACY = math_voter("math-verify, as TRL's accuracy parses", _trl_extraction, 
 REASONING_ACCURACY = math_voter(
     "math-verify after </think>, as TRL's reasoning_accuracy parses", _trl_extraction, "first_match", after_think=True
 )
+PROGRAM_TEXT = Voter("the program's text", lambda text, logged: text.strip() or None, lambda a, b: a == b)
+"""Code rewards: samples writing the same program (up to surrounding whitespace) vote together."""
 BUILTIN_VOTERS = {"accuracy": ACCURACY, "reasoning_accuracy": REASONING_ACCURACY, "exact": EXACT}
+BUILTIN_VOTERS |= dict.fromkeys(("code", "code_io", "code_io_all"), PROGRAM_TEXT)
 
 
 def voter_for(reward: str) -> Voter:
