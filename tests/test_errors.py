@@ -214,9 +214,9 @@ def cases(tiny_data: Path, root: Path) -> dict[str, Case]:
     d = row("Stale op lock")
     lock = d / "extensions" / "fused_adam" / "lock"
     lock.parent.mkdir(parents=True)
+    claim_op_builds(lock.parent.parent)  # this process lives on the folder: only the lock's age can condemn it
     lock.touch()
     os.utime(lock, (1767225600, 1767225600))  # 2026-01-01 00:00 UTC
-    claim_op_builds(lock.parent.parent)  # this process lives on the folder: only the lock's age can condemn it
     made["Lock left by a DeepSpeed op build that was killed"] = Case(
         train_py(*small_args(tiny_data, d / "run")),
         {"lock": str(lock), "started": "2026-01-01 00:00"},

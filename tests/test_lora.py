@@ -367,3 +367,33 @@ def test_a_resume_with_other_adapters_or_another_base_is_one_line_naming_the_key
             check_same_adapters(first, lora, four_bit)
         assert str(err.value).startswith(f"--resume ({first})") and "Fix: " in str(err.value)
     check_same_adapters(tmp_path / "missing.json", "r=4", None)  # no run_config yet: nothing to compare
+
+
+def test_half_of_the_fused_gate_up_pair_on_a_moe_is_one_line_before_loading(tiny_data: Path, tmp_path: Path) -> None:
+    """targets=q_proj,up_proj on a DeepSeek MoE would train and then fail peft's export: refused by train.py before
+    any weight loads (the model path is a config only: loading weights would fail first)."""
+    import subprocess
+    import sys
+
+    from deepzero.adapters.lora import check_fused_pair
+    from deepzero.flops import routed_experts
+    from tests.conftest import REPO, cpu_env
+
+    config = tiny().config
+    with pytest.raises(UserError, match=r"names up_proj without gate_proj: on a deepseek_v3 model peft exports"):
+        check_fused_pair(LoraSpec.parse("targets=q_b_proj,up_proj"), config, routed_experts(config))
+    check_fused_pair(LoraSpec.parse("targets=gate_proj,up_proj"), config, routed_experts(config))  # the pair: fine
+    config.save_pretrained(tmp_path / "config-only")  # no weights at all
+    cmd = [
+        sys.executable,
+        "train.py",
+        "--deepspeed_config",
+        "ds_configs/zero2.json",
+        "--model",
+        str(tmp_path / "config-only"),
+    ]
+    cmd += ["--lora", "targets=o_proj,up_proj", "--data", str(tiny_data), "--out", str(tmp_path / "o")]
+    proc = subprocess.run(cmd, cwd=REPO, capture_output=True, text=True, env=cpu_env())
+    errors = [x for x in proc.stderr.splitlines() if x.startswith("error:")]
+    assert proc.returncode == 2 and len(errors) == 1 and "Traceback" not in proc.stderr, proc.stderr[-2000:]
+    assert "--lora targets=o_proj,up_proj: names up_proj without gate_proj" in errors[0]

@@ -37,10 +37,10 @@ def live_process(root: Path) -> subprocess.Popen:
 
 
 def test_with_a_live_process_only_locks_older_than_a_build_can_take_are_stale(tmp_path: Path) -> None:
+    other = live_process(tmp_path)
     old = lock(tmp_path / "py311_cpu" / "fused_adam" / "lock", STALE_AFTER_S + 60)  # default root layout
     older = lock(tmp_path / "deepspeed_shm_comm" / "lock", 2 * STALE_AFTER_S)  # $TORCH_EXTENSIONS_DIR layout
     young = lock(tmp_path / "py311_cpu" / "cpu_adam" / "lock", 30)  # a build running now, in the live process
-    other = live_process(tmp_path)
     try:
         assert stale_locks(tmp_path) == [older, old]
         with pytest.raises(
@@ -56,8 +56,8 @@ def test_with_a_live_process_only_locks_older_than_a_build_can_take_are_stale(tm
 def test_a_killed_builds_lock_is_cleared_at_once_when_no_deepzero_process_lives(tmp_path: Path) -> None:
     """A build killed a second ago (its lock fresh): the next launch, the only deepzero process on the folder,
     removes it with one line and goes on to build; with a live process beside, it stays (that build is running)."""
-    fresh = lock(tmp_path / "deepspeed_shm_comm" / "lock", 1)
     other = live_process(tmp_path)
+    fresh = lock(tmp_path / "deepspeed_shm_comm" / "lock", 1)
     try:
         code = f"from pathlib import Path; from deepzero.op_builds import check_op_builds; check_op_builds(Path({str(tmp_path)!r}))"
         kept = subprocess.run([sys.executable, "-c", code], cwd=REPO, capture_output=True, text=True)

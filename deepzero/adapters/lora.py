@@ -190,6 +190,23 @@ class Targets:
         return [n for n in linear_names(model) if any(_matches(n, t) for t in self.modules)]
 
 
+def check_fused_pair(spec: LoraSpec, config: Any, routed_experts: int) -> None:
+    """Before any weight loads: on a model with routed experts, peft exports ``gate_proj`` and ``up_proj`` adapters
+    as one fused ``gate_up_proj`` (its transformers-5 conversion), so naming one without the other trains and then
+    fails the export: one line."""
+    named = {t.rsplit(".", 1)[-1] for t in spec.targets} & {"gate_proj", "up_proj"}
+    if routed_experts and len(named) == 1:
+        (one,) = named
+        other = "up_proj" if one == "gate_proj" else "gate_proj"
+        kind = getattr(config, "model_type", "this MoE")
+        raise UserError(
+            f"{FLAG} targets={','.join(spec.targets)}",
+            f"names {one} without {other}: on a {kind} model peft exports the two as one fused gate_up_proj and"
+            " cannot convert one alone (the export would fail after training)",
+            f"add {other} (targets={','.join(spec.targets)},{other}), or use targets=mlp",
+        )
+
+
 def resolve_targets(model: torch.nn.Module, spec: LoraSpec) -> Targets:
     """Groups keep only the names present in ``model``; an explicit name must match at least one Linear."""
     linears = linear_names(model)
