@@ -137,7 +137,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     p.add_argument("--samples", required=True, help="samples.jsonl: index and completions per line")
     p.add_argument("--data", default=None, help="a prompts folder, or records (with --benchmark in its layout)")
     p.add_argument("--reward", nargs="+", default=[], help="rewards, as evaluate.py's --reward")
-    p.add_argument("--benchmark", default=None, help="aime24, aime25, math500, gpqa_diamond or humaneval")
+    p.add_argument("--benchmark", default=None, help="aime24, aime25, math500, gpqa_diamond, humaneval or lcb")
     p.add_argument("--correct", default=None, help="NAME OP NUMBER (default: the first reward >= 1)")
     p.add_argument("--pass-k", type=int, nargs="+", default=None, help="k's of pass@k (default: 1, 2, 4, ..., n)")
     p.add_argument("--split", default="val", help="a prompts folder's split")

@@ -34,7 +34,7 @@ class JobArgs:
     benchmark: str | None = field(
         default=None,
         **_help(
-            "aime24, aime25, math500 or gpqa_diamond: lighteval's prompt, gold and scoring (no --reward); completions"
+            "aime24, aime25, math500, gpqa_diamond, humaneval or lcb: lighteval's prompt, gold and scoring (no --reward); completions"
             f" up to {R1_MAX_LENGTH} tokens unless --max-completion-length (docs/evaluate.md)."
         ),
     )
