@@ -397,3 +397,40 @@ def test_half_of_the_fused_gate_up_pair_on_a_moe_is_one_line_before_loading(tiny
     errors = [x for x in proc.stderr.splitlines() if x.startswith("error:")]
     assert proc.returncode == 2 and len(errors) == 1 and "Traceback" not in proc.stderr, proc.stderr[-2000:]
     assert "--lora targets=o_proj,up_proj: names up_proj without gate_proj" in errors[0]
+
+
+def test_a_saved_v3_folders_balancing_moves_the_bias_into_hf_and_the_adapter_folder(
+    tiny_data: Path, tmp_path: Path
+) -> None:
+    """A DeepSeek-V3 folder saved by Transformers (not the preset), LoRA, bias rate 0.05, 3 steps: the routing bias
+    moves, reaches hf/, and hf-adapter/ carries the routers as peft modules_to_save, so stock peft on the base gives
+    hf/'s logits (before, the adapter folder lacked the bias: the base's routing). An odd step count: a rate far
+    above the spread of a random router's scores makes each bias flip sign every step (+0.05, 0, +0.05, 0), so at
+    steps 4 and 8 it is exactly 0 again, which had looked like balancing that never moves."""
+    import subprocess
+    import sys
+
+    from peft import PeftModel
+    from safetensors.torch import load_file
+
+    from tests.conftest import REPO, cpu_env
+
+    tiny().save_pretrained(tmp_path / "v3")
+    out = tmp_path / "run"
+    cmd = [sys.executable, "train.py", "--deepspeed_config", "ds_configs/zero2.json", "--ds", "train_batch_size=auto"]
+    cmd += ["--model", str(tmp_path / "v3"), "--data", str(tiny_data), "--out", str(out), "--max-steps", "3"]
+    cmd += ["--moe-bias-rate", "0.05", "--lora", "r=4", "--precision", "fp32", "--eval-interval", "0"]
+    cmd += ["--save-interval", "0", "--log-interval", "3"]
+    proc = subprocess.run(cmd, cwd=REPO, capture_output=True, text=True, env=cpu_env())
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    merged = load_file(out / "hf" / "model.safetensors")
+    biases = {k: v for k, v in merged.items() if k.endswith("e_score_correction_bias")}
+    assert biases and all(v.abs().max() > 0 for v in biases.values())  # moved from the saved zeros
+    adapter = load_file(out / "hf-adapter" / "adapter_model.safetensors")
+    for name, bias in biases.items():
+        assert torch.equal(adapter[f"base_model.model.{name}"], bias)
+    x = torch.randint(0, 500, (2, 16))
+    stock = PeftModel.from_pretrained(AutoModelForCausalLM.from_pretrained(tmp_path / "v3"), out / "hf-adapter")
+    with torch.no_grad():
+        gap = (stock.eval()(x).logits - AutoModelForCausalLM.from_pretrained(out / "hf").eval()(x).logits).abs()
+    assert gap.max() < 1e-4 and gap.flatten().quantile(0.99) < 1e-4

@@ -431,14 +431,16 @@ def export_lora_hf(
 
 
 def _write_adapter_folder(state_dict: dict[str, torch.Tensor], config: Any, out_dir: Path) -> Path | None:
-    """``<out_dir>-adapter`` in peft's format from the engine's whole state dict (None where the adapters include
-    fused expert tensors, which the folder's full-path targets cannot name)."""
+    """``<out_dir>-adapter`` in peft's format from the engine's whole state dict, V3's routers (their trained routing
+    bias) as modules to save (None where the adapters include fused expert tensors, which the folder's full-path
+    targets cannot name)."""
     if config.target_parameters:
         return None
     adapters = {k: v for k, v in state_dict.items() if is_adapter_param(k)}
     folder = out_dir.with_name(f"{out_dir.name}-adapter")
     spec = Adapters.from_state(adapters, config.r, config.lora_alpha, config.lora_dropout)
-    write_adapter(spec, config.base_model_name_or_path or "", folder)
+    base = {k.removeprefix("base_model.model."): v for k, v in state_dict.items() if not is_adapter_param(k)}
+    write_adapter(spec.with_routers(base, base.__getitem__), config.base_model_name_or_path or "", folder)
     return folder
 
 

@@ -15,6 +15,7 @@ with the source loaded by stock peft with the written adapter folder applied unm
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import json
 import os
 import re
@@ -24,6 +25,7 @@ import time
 from collections.abc import Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass, field
+from functools import partial
 from pathlib import Path
 from typing import Any
 
@@ -51,6 +53,14 @@ class Adapters:
     r: int
     alpha: float
     dropout: float = 0.0
+    saved: dict[str, torch.Tensor] = field(default_factory=dict)
+    """Whole modules the run changed outside its adapters, by tensor name (``model.layers.1.mlp.gate.weight`` and its
+    ``e_score_correction_bias``: V3's router, whose bias balancing moves): peft's ``modules_to_save``, so the adapter
+    folder on its base is the model that was trained."""
+
+    @property
+    def saved_modules(self) -> list[str]:
+        return sorted({name.rsplit(".", 1)[0] for name in self.saved})
 
     @classmethod
     def from_state(cls, state: dict[str, torch.Tensor], r: int, alpha: float, dropout: float = 0.0) -> Adapters:
@@ -88,6 +98,7 @@ class Adapters:
             lora_alpha=self.alpha,
             lora_dropout=self.dropout,
             target_modules=list(self.pairs),
+            modules_to_save=self.saved_modules or None,
             bias="none",
             task_type="CAUSAL_LM",
             base_model_name_or_path=source,
@@ -99,7 +110,32 @@ class Adapters:
         for module, (a, b) in self.pairs.items():
             out[f"base_model.model.{module}.lora_A.weight"] = a.contiguous()
             out[f"base_model.model.{module}.lora_B.weight"] = b.contiguous()
+        for name, tensor in self.saved.items():
+            out[f"base_model.model.{name}"] = tensor.detach().cpu().contiguous()
         return out
+
+    def with_routers(self, trained: dict[str, torch.Tensor], weight: Any) -> Adapters:
+        """These adapters plus, as modules to save, every router whose routing bias is in ``trained`` (base names),
+        with its weight (``weight(name)``: the tensor of that name)."""
+        saved = {}
+        for name, tensor in trained.items():
+            if name.endswith(ROUTING_BIAS):
+                module = name.removesuffix(f".{ROUTING_BIAS}")
+                saved[name] = tensor
+                saved[f"{module}.weight"] = weight(f"{module}.weight")
+        return dataclasses.replace(self, saved=saved)
+
+
+ROUTING_BIAS = "e_score_correction_bias"
+
+
+def read_tensor(files: BaseFiles, name: str) -> torch.Tensor:
+    """One tensor of the base's files, by name (the index says which shard; else each shard is looked in)."""
+    for shard in files.shards:
+        with safe_open(shard, framework="pt") as f:
+            if name in f.keys():  # noqa: SIM118
+                return f.get_tensor(name)
+    raise UserError(str(files.shards[0].parent), f"the base's files hold no {name}", FIX_SOURCE)
 
 
 def write_adapter(adapters: Adapters, source: str, folder: Path) -> None:
@@ -371,7 +407,7 @@ def export_merged(
     adapter_dir = out_dir.with_name(f"{out_dir.name}-adapter")
     tmp = out_dir.with_name(f"{out_dir.name}.partial")
     with peak_rss() as peak:  # the merge's own memory (the logit check below holds two whole small models)
-        write_adapter(adapters, source, adapter_dir)
+        write_adapter(adapters.with_routers(trained, partial(read_tensor, files)), source, adapter_dir)
         shutil.rmtree(tmp, ignore_errors=True)
         tmp.mkdir(parents=True)
         check = merge_files(files, adapters, tmp, trained)
