@@ -29,6 +29,7 @@ from deepzero import (
     report,
     schedule,
     universal,
+    val_split,
 )
 from deepzero import sequence_parallel as sp
 from deepzero.adapters import quant
@@ -186,7 +187,7 @@ def plan_run(args: TrainArgs, world: int) -> RunPlan:
     vocab = len(tokenizer) if source.random_init else max(len(tokenizer), config.vocab_size)  # make_model's embedding
     train_data = open_split(args.data, "train", documents=args.packing == "documents", vocab_size=vocab)
     check_enough_rows(len(train_data), cfg.batch.global_batch // (grpo.num_generations if grpo else 1), "train")
-    val_data = usable_val_split(args, meta, cfg.batch, vocab)
+    val_data = val_split.usable(args, meta, cfg.batch, vocab)
     check_disk(args, config, cfg.precision, four_bit is not None)
     if args.resume:
         ranks = settings.dp_size(world) * sequence  # ZeRO: every rank
@@ -366,28 +367,6 @@ def choose_engine(args: TrainArgs) -> EngineSettings:
 def sequence_size(settings: EngineSettings) -> int:
     """Ranks per sequence the engine settings chose (1: whole rows on every rank)."""
     return getattr(settings, "sequence_parallel", 1)
-
-
-def usable_val_split(
-    args: TrainArgs, meta: dict[str, Any], batch: dsconfig.BatchMath, vocab_size: int | None = None
-) -> PackedDataset | None:
-    """The val split (its ids checked against ``vocab_size`` as read), or None (with a warning) when it cannot
-    fill one evaluation round."""
-    if not meta["n_rows"].get("val"):
-        return None
-    val_data = open_split(args.data, "val", documents=args.packing == "documents", vocab_size=vocab_size)
-    per, what = batch.micro, f"micro {batch.micro}"
-    if meta.get("format") == "prompts":  # GRPO's eval micro-batch counts prompts, each sampled G_eval times
-        g = 1 if args.eval_sampling == "greedy" else (args.num_generations_eval or args.num_generations)
-        per, what = max(1, batch.micro // g), f"{max(1, batch.micro // g)} prompt(s): micro {batch.micro} ÷ {g} samples"
-    if args.eval_interval and len(val_data) < per * batch.dp_size:
-        unit = "prompts" if meta.get("format") == "prompts" else "rows"
-        warn(
-            f"{args.data}: val split has {len(val_data)} {unit}, fewer than one eval round ({what}"
-            f" × data-parallel {batch.dp_size}); evaluation is off. Fix: prepare with a larger --val-fraction"
-        )
-        return None
-    return val_data
 
 
 def check_not_a_finished_run(args: TrainArgs) -> None:
