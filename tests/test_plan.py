@@ -766,3 +766,28 @@ def test_a_model_of_another_layout_is_one_line_from_the_planner(tmp_path: Path) 
         assert proc.returncode == 2 and "Traceback" not in proc.stderr, proc.stderr[-2000:]
         (line,) = [x for x in proc.stderr.splitlines() if x.startswith("error:")]
         assert "is a gpt2 model, whose decoder layers are not at model.layers" in line
+
+
+def test_the_export_is_planned_from_the_folders_own_largest_shard(tmp_path: Path) -> None:
+    """The QLoRA export holds a few of the base's shards at once: a folder on disk is planned from its own largest
+    safetensors file (one file or many small ones), a hub id from the published bases' 9 GB."""
+    from transformers import AutoModelForCausalLM
+
+    from deepzero.plan.arch import model_stats
+    from deepzero.plan.memory import EXPORT_SHARDS, export_host_bytes
+    from deepzero.presets import get_preset
+
+    config = get_preset("tiny-deepseek-v3").config(vocab_size=512)
+    model = AutoModelForCausalLM.from_config(config)
+    model.save_pretrained(tmp_path / "one")
+    model.save_pretrained(tmp_path / "many", max_shard_size="200KB")
+    one, many = (max(p.stat().st_size for p in (tmp_path / d).glob("*.safetensors")) for d in ("one", "many"))
+    assert many < one / 2
+    setup = Setup(stage=2, world_size=3, lora_rank=16, four_bit=True, pretrained=True)
+    costs = {}
+    for name in ("one", "many"):
+        stats = model_stats(config, str(tmp_path / name))
+        assert stats.largest_shard_bytes == (one if name == "one" else many)
+        costs[name] = export_host_bytes(stats, setup)
+    assert costs["one"] - costs["many"] == EXPORT_SHARDS * (one - many)
+    assert model_stats(config, "deepseek-ai/some-hub-id").largest_shard_bytes is None

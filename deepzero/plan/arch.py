@@ -70,6 +70,9 @@ class ModelStats:
     """Per entry of ``param_numels``: whether a 4-bit load (``--load-in-4bit``) quantises it. Transformers'
     bitsandbytes loader replaces every ``nn.Linear`` but the output embedding (and the model's fp32 modules);
     ``quant.quantise_experts`` adds the fused routed experts. Routers stay in the training dtype."""
+    largest_shard_bytes: int | None = None
+    """The largest safetensors file of the model's own folder (what the shard-by-shard export holds a few of at
+    once); None for a hub id or a config (not on disk here)."""
     dequantised_experts: tuple[int, ...] = ()
     """Per MoE layer, the weights of its 4-bit fused experts: dequantised together while the layer runs (and kept
     for backward by autograd unless activation checkpointing recomputes the layer)."""
@@ -157,8 +160,18 @@ def model_stats(config: PretrainedConfig, name: str = "model", lora: LoraSpec | 
         stages,
         moe_mask,
         _four_bit_mask(model, params),
+        largest_shard_bytes(name),
         tuple(_experts_per_layer(model).values()),
     )
+
+
+def largest_shard_bytes(name: str) -> int | None:
+    """The largest ``*.safetensors`` file of the folder ``name`` (None when ``name`` is no folder with any)."""
+    from pathlib import Path
+
+    folder = Path(name)
+    sizes = [p.stat().st_size for p in folder.glob("*.safetensors")] if folder.is_dir() else []
+    return max(sizes) if sizes else None
 
 
 def _four_bit_mask(model: torch.nn.Module, params: list[torch.nn.Parameter]) -> tuple[bool, ...]:

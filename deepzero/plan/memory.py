@@ -321,8 +321,9 @@ def host_bytes(stats: ModelStats, setup: Setup, rs: RankStates) -> tuple[int, in
 
 def export_host_bytes(stats: ModelStats, setup: Setup) -> int:
     """Host bytes of the QLoRA export (``deepzero.adapters.merge``): a few shards of the 16-bit base at once plus
-    the adapters, whatever the model's size."""
-    shard = min(PUBLISHED_SHARD_BYTES, setup.bytes_per_value * stats.total)
+    the adapters, whatever the model's size. The shard is the folder's own largest file where the base is on disk
+    (a folder written with one 50 GB file costs that), else the published bases' largest."""
+    shard = stats.largest_shard_bytes or min(PUBLISHED_SHARD_BYTES, setup.bytes_per_value * stats.total)
     return EXPORT_SHARDS * shard + _adapter_bytes(stats, setup)
 
 
