@@ -48,6 +48,7 @@ from deepzero.op_builds import check_op_builds
 from deepzero.plan import SaverTerms, check_fit, model_stats
 from deepzero.precision import check_fp16_range, fp16_risk
 from deepzero.presets import PRESETS
+from deepzero.watchdog import phase
 
 
 @dataclass(frozen=True)
@@ -413,7 +414,8 @@ def setup(args: TrainArgs) -> Run:
     rank, world = init_distributed()
     checkpoint.check_shared_storage(args.checkpoint_dir, plan.cfg.ds, plan.cfg.path)
     torch.manual_seed(args.seed)
-    engine = plan.engine_settings.build(partial(make_model, args, plan), plan.cfg.ds, plan.seq_len)
+    with phase("loading the weights and building the DeepSpeed engine (its ops may compile)"):
+        engine = plan.engine_settings.build(partial(make_model, args, plan), plan.cfg.ds, plan.seq_len)
     reference_line = methods.preference.attach(args, plan, engine)  # before any step or checkpoint: the start
     if plan.grpo is not None:  # the prompts, tokenizer and rewards; a frozen copy of the starting weights (beta > 0)
         methods.grpo.attach(engine, plan, args.out_dir)

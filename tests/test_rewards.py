@@ -198,3 +198,22 @@ def test_a_reward_that_never_returns_is_one_line_naming_it_after_reward_timeout(
     with pytest.raises(UserError, match=r"slow\.py:sleepy: did not return within 0\.5 s.*--reward-timeout"):
         rewards.score(["p"], ["c"], [[1]], [{}])
     assert time.monotonic() - start < 5
+
+
+def test_a_wait_past_its_limit_says_what_it_waits_on(capsys: pytest.CaptureFixture[str]) -> None:
+    """deepzero.watchdog: a phase that outlasts its limit prints one line naming it, again as the wait doubles; a
+    loop phase is judged against its own usual time."""
+    import time
+
+    from deepzero import watchdog
+
+    with watchdog.phase("testing a wait", limit_s=0.2):
+        time.sleep(0.7)
+    lines = [x for x in capsys.readouterr().err.splitlines() if "testing a wait" in x]
+    assert 2 <= len(lines) <= 3 and lines[0].startswith("deepzero: still testing a wait after")
+    with watchdog.phase("a loop phase", every=True):
+        time.sleep(0.01)
+    assert watchdog._usual["a loop phase"] >= 0.01
+    with watchdog.phase("a quick one", limit_s=5):
+        pass
+    assert "a quick one" not in capsys.readouterr().err

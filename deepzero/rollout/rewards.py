@@ -51,6 +51,7 @@ from typing import Any
 import torch
 
 from deepzero.errors import UserError
+from deepzero.watchdog import phase
 
 BUILTINS = (
     "accuracy",
@@ -235,7 +236,7 @@ class RewardSet:
                     f"prepare the data with --columns {r.needs[-1]}=YOUR_FIELD, or drop --reward {r.where}",
                 )
         try:
-            with _deadline(self.timeout_s, where):
+            with _deadline(self.timeout_s, where), phase(f"in the reward {r.where}", every=True):
                 out = call(rows)
         except UserError:
             raise
