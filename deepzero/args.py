@@ -312,6 +312,10 @@ class TrainArgs:
                 raise UserError(f"--{name.replace('_', '-')}", "must be at least 1", "pass a positive integer")
         if self.device_map not in (None, "balanced"):
             raise UserError(f"--device-map {self.device_map}", "unknown placement", "use --device-map balanced")
+        if not (math.isfinite(self.reward_timeout) and self.reward_timeout >= 0):
+            raise UserError(
+                "--reward-timeout", f"must be 0 (no limit) or more seconds, got {self.reward_timeout}", "pass e.g. 600"
+            )
         for name, least in (("micro_batch", 1), ("grad_accum", 1), ("warmup_steps", 1), ("sequence_parallel", 1)):
             value = getattr(self, name)
             if value is not None and value < least:

@@ -216,6 +216,7 @@ def bad_flag_values(f: dataclasses.Field, tmp: Path) -> list[str]:
 
 
 ZERO_ALLOWED = {"eval_interval", "save_interval", "seed", "moe_bias_rate", "moe_aux_alpha", "top_k", "min_p"}
+ZERO_ALLOWED |= {"reward_timeout"}  # 0: no limit
 PATH_FLAGS = {"deepspeed_config", "model", "tokenizer", "data"}
 
 

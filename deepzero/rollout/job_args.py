@@ -124,6 +124,10 @@ class JobArgs:
         for name, value in (("--prompts-per-call", self.prompts_per_call), ("--limit", self.limit)):
             if value is not None and value < 1:
                 raise UserError(name, f"must be 1 or more, got {value}", "pass a positive number")
+        if not (math.isfinite(self.reward_timeout) and self.reward_timeout >= 0):
+            raise UserError(
+                "--reward-timeout", f"must be 0 (no limit) or more seconds, got {self.reward_timeout}", "pass e.g. 600"
+            )
         if self.per_prompt < 1:
             raise UserError("--per-prompt", f"must be 1 or more, got {self.per_prompt}", "pass e.g. 2")
         generation_kwargs(self.generation_kwargs)
