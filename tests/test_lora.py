@@ -125,7 +125,6 @@ def test_groups_resolve_per_architecture() -> None:
         ("gate_up_proj", "fused 3-D routed-expert parameter in transformers 5, not nn.Linear; use targets=experts"),
         ("mlp.experts", "fused 3-D parameters (not nn.Linear); use targets=experts"),
         ("gate", "'gate' is a DeepseekV3TopkRouter, not nn.Linear"),
-        ("lm_head", "lm_head is not adapted"),
     ],
 )
 def test_targets_that_wrap_no_linear_layer_are_rejected(target: str, message: str) -> None:
@@ -134,6 +133,18 @@ def test_targets_that_wrap_no_linear_layer_are_rejected(target: str, message: st
     assert message in str(err.value)
     assert "Linear layers here: down_proj, gate_proj, kv_a_proj_with_mqa" in err.value.fix
     assert "groups: attn, mlp, experts" in err.value.fix
+
+
+def test_lm_head_and_the_router_are_refused_before_any_weight_loads() -> None:
+    """lm_head (any model) when --lora is parsed; the MoE router 'gate' as soon as the config is read."""
+    from deepzero.adapters.lora import check_fused_pair
+    from deepzero.flops import routed_experts
+
+    with pytest.raises(UserError, match="targets=lm_head: lm_head is not adapted"):
+        LoraSpec.parse("targets=o_proj,lm_head")
+    config = tiny().config
+    with pytest.raises(UserError, match="'gate' is the deepseek_v3 router"):
+        check_fused_pair(LoraSpec.parse("targets=o_proj,gate"), config, routed_experts(config))
 
 
 def test_experts_take_no_dropout() -> None:

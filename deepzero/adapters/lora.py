@@ -133,6 +133,13 @@ class LoraSpec:
             raise UserError(f"{FLAG} {where}", f"dropout must be in [0, 1), got {self.dropout:g}", "e.g. dropout=0.05")
         if not self.targets:
             raise UserError(f"{FLAG} {where}", "targets= names nothing", "e.g. targets=attn or targets=attn,mlp")
+        for target in self.targets:
+            if target.rsplit(".", 1)[-1] in ("lm_head", "embed_tokens"):
+                raise UserError(
+                    f"{FLAG} targets={target}",
+                    "lm_head is not adapted (embeddings and lm_head stay frozen)",
+                    "drop it from targets: they name the decoder's Linear layers (attn, mlp, experts or module names)",
+                )
         if EXPERTS in self.targets and self.dropout:
             raise UserError(
                 f"{FLAG} {where}",
@@ -191,9 +198,15 @@ class Targets:
 
 
 def check_fused_pair(spec: LoraSpec, config: Any, routed_experts: int) -> None:
-    """Before any weight loads: on a model with routed experts, peft exports ``gate_proj`` and ``up_proj`` adapters
-    as one fused ``gate_up_proj`` (its transformers-5 conversion), so naming one without the other trains and then
-    fails the export: one line."""
+    """Before any weight loads, on a model with routed experts: its router (``gate``) is no Linear to adapt, and peft
+    exports ``gate_proj`` and ``up_proj`` adapters as one fused ``gate_up_proj`` (its transformers-5 conversion), so
+    naming one without the other trains and then fails the export: one line each."""
+    if routed_experts and "gate" in {t.rsplit(".", 1)[-1] for t in spec.targets}:
+        raise UserError(
+            f"{FLAG} targets={','.join(spec.targets)}",
+            f"'gate' is the {getattr(config, 'model_type', 'MoE')} router (not nn.Linear): routers are never adapted",
+            "use gate_proj for the MLP's gate projection, or targets=experts for the routed experts",
+        )
     named = {t.rsplit(".", 1)[-1] for t in spec.targets} & {"gate_proj", "up_proj"}
     if routed_experts and len(named) == 1:
         (one,) = named
