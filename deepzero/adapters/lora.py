@@ -42,6 +42,7 @@ import torch.distributed as dist
 
 from deepzero import modeling
 from deepzero.adapters.merge import Adapters, no_v4_target_remap, write_adapter
+from deepzero.distributed import while_one_rank_works
 from deepzero.errors import UserError
 from deepzero.flops import count_params
 from deepzero.hf_export import (
@@ -419,27 +420,34 @@ def export_lora_hf(
     engine_logits = eval_logits(engine, probe)
     state_dict = consolidated_state_dict(engine)
     report = None
-    if engine.global_rank == 0:
-        peft_model = engine.module
-        base = peft_model.get_base_model()
-        wrapped = sum(1 for n, _ in peft_model.named_modules() if n.endswith(".lora_A"))
-        adapter_dir = _write_adapter_folder(state_dict, peft_model.peft_config["default"], out_dir)
-        with modeling.zero3_init_off():
-            merged = merged_model(state_dict, peft_model.peft_config["default"], base.config)
-            del state_dict
-            attn = attn_implementation_of(base)
-            diff = publish_and_compare(merged, tokenizer, out_dir, probe, engine_logits, merged.dtype, attn)
-            report = LoraExportReport(
-                str(out_dir),
-                diff.max().item(),
-                str(merged.dtype).removeprefix("torch."),
-                median_token_logit_diff=diff.amax(-1).median().item(),
-                tolerance=max(TOLERANCE[merged.dtype], 0.0 if engine.device.type == "cpu" else 1e-3),
-                merged_modules=wrapped,
-                adapter_path=str(adapter_dir or ""),
-            )
-    if dist.is_initialized():
-        dist.barrier()
+    with while_one_rank_works():  # the others wait on a group of their own, not the main group's 10 minutes
+        if engine.global_rank == 0:
+            report = _merge_and_compare(engine, state_dict, tokenizer, out_dir, probe, engine_logits)
+    return report
+
+
+def _merge_and_compare(
+    engine: Any, state_dict: dict[str, torch.Tensor], tokenizer: Any, out_dir: Path, probe: dict, engine_logits: Any
+) -> LoraExportReport:
+    """Rank 0: the adapter folder, the merged folder, and its logits against the engine's."""
+    peft_model = engine.module
+    base = peft_model.get_base_model()
+    wrapped = sum(1 for n, _ in peft_model.named_modules() if n.endswith(".lora_A"))
+    adapter_dir = _write_adapter_folder(state_dict, peft_model.peft_config["default"], out_dir)
+    with modeling.zero3_init_off():
+        merged = merged_model(state_dict, peft_model.peft_config["default"], base.config)
+        del state_dict
+        attn = attn_implementation_of(base)
+        diff = publish_and_compare(merged, tokenizer, out_dir, probe, engine_logits, merged.dtype, attn)
+        report = LoraExportReport(
+            str(out_dir),
+            diff.max().item(),
+            str(merged.dtype).removeprefix("torch."),
+            median_token_logit_diff=diff.amax(-1).median().item(),
+            tolerance=max(TOLERANCE[merged.dtype], 0.0 if engine.device.type == "cpu" else 1e-3),
+            merged_modules=wrapped,
+            adapter_path=str(adapter_dir or ""),
+        )
     return report
 
 
