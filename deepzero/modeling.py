@@ -144,9 +144,11 @@ def build_model(
             if vocab_size is not None:
                 config.vocab_size = vocab_size
             return AutoModelForCausalLM.from_config(config, dtype=torch.float32, **kwargs)
-        model = AutoModelForCausalLM.from_pretrained(  # the checkpoint's own config.json, never a restated one
-            source.pretrained, dtype=dtype, use_safetensors=_has_safetensors(source), **kwargs
-        )
+        cpu_only = quantization_config is not None and not torch.cuda.is_available()  # a GPU host keeps its cores
+        with one_thread() if cpu_only else contextlib.nullcontext():
+            model = AutoModelForCausalLM.from_pretrained(  # the checkpoint's own config.json, never a restated one
+                source.pretrained, dtype=dtype, use_safetensors=_has_safetensors(source), **kwargs
+            )
     except OSError as err:
         raise UserError(f"--model {source.spec}", f"cannot load weights ({first_line(err)})", _offline_fix()) from None
     except ValueError as err:
@@ -160,6 +162,20 @@ def build_model(
     if vocab_size is not None and vocab_size > model.get_input_embeddings().num_embeddings:
         model.resize_token_embeddings(vocab_size)
     return model
+
+
+@contextlib.contextmanager
+def one_thread() -> Iterator[None]:
+    """torch on one thread: bitsandbytes' CPU quantisation sums each weight's block maxima (its NF4 ``offset``, then
+    the nested statistics) with torch's threaded reduction, whose last bits follow the thread count; on one thread
+    the 4-bit base is the same bytes on any CPU-only host (tests/test_qlora.py). A GPU host quantising a large base
+    in host RAM keeps every core (one thread would take several times as long)."""
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    try:
+        yield
+    finally:
+        torch.set_num_threads(threads)
 
 
 @torch.no_grad()

@@ -359,3 +359,39 @@ def test_a_v3_base_exports_the_routing_bias_its_balancing_trained(tiny_data: Pat
     for key in biases:
         trained = states["module"][f"base_model.model.{key}"].to(source[key].dtype)
         assert torch.equal(exported[key], trained) and not torch.equal(exported[key], source[key]), key
+
+
+def test_the_4bit_base_is_the_same_bytes_on_any_thread_count(tmp_path: Path) -> None:
+    """bitsandbytes' CPU quantiser sums block maxima with torch's threaded reduction, so the NF4 offset and nested
+    statistics of a large weight can differ in their last bits between 1 and 2 threads (this 2048 × 4096 one does on
+    the 2-core EPYC: offset and state2 both). The base deepzero loads (modeling.build_model quantises on one thread)
+    is bit-identical whatever the host's thread count, so a resume on another host finds the same base."""
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    from deepzero import modeling
+    from deepzero.adapters.quant import FourBit
+
+    config = LlamaConfig(
+        hidden_size=2048, intermediate_size=4096, num_hidden_layers=1, num_attention_heads=16, vocab_size=64
+    )
+    model = LlamaForCausalLM(config).to(torch.bfloat16)
+    big = torch.randn(2048, 4096, generator=torch.Generator().manual_seed(3)).to(torch.bfloat16)
+    model.model.layers[0].mlp.down_proj.weight.data = big  # a weight whose statistics follow the thread count
+    model.save_pretrained(tmp_path / "base")
+
+    def loaded(threads: int) -> list[torch.Tensor]:
+        torch.set_num_threads(threads)
+        source = modeling.resolve_model(str(tmp_path / "base"))
+        model = modeling.build_model(
+            source, modeling.load_config(source), dtype=torch.bfloat16,
+            quantization_config=FourBit("bf16", "uint8").bnb_config(), on_host=True,
+        )  # fmt: skip
+        states = [p.quant_state for p in model.parameters() if hasattr(p, "quant_state")]
+        return [t for s in states for t in (s.absmax, s.offset, s.state2.absmax, s.state2.code)]
+
+    threads = torch.get_num_threads()
+    try:
+        a, b = loaded(1), loaded(2)
+    finally:
+        torch.set_num_threads(threads)
+    assert len(a) == len(b) > 0 and all(torch.equal(x, y) for x, y in zip(a, b, strict=True))

@@ -23,6 +23,7 @@ blocks dequantised), shard by shard, and writes a plain Transformers folder plus
 
 from __future__ import annotations
 
+import contextlib
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -273,12 +274,20 @@ def quantise_experts(model: torch.nn.Module, four_bit: FourBit) -> int:
     from bitsandbytes import functional as bnb_functional
     from bitsandbytes.nn.parametrize import Bnb4bitParametrization, _register_parametrization_hooks
 
+    from deepzero.modeling import one_thread
+
     found = fused_experts(model)
     for _, module, key in found:
         weight = module._parameters[key].data.to(DTYPES[four_bit.compute])
-        codes, state = bnb_functional.quantize_4bit(
-            weight, blocksize=BLOCK, compress_statistics=True, quant_type="nf4", quant_storage=four_bit.storage_dtype
-        )
+        same_bytes = weight.device.type == "cpu" and not torch.cuda.is_available()  # on any CPU-only host
+        with one_thread() if same_bytes else contextlib.nullcontext():
+            codes, state = bnb_functional.quantize_4bit(
+                weight,
+                blocksize=BLOCK,
+                compress_statistics=True,
+                quant_type="nf4",
+                quant_storage=four_bit.storage_dtype,
+            )
         packed = torch.nn.Parameter(codes, requires_grad=False)
         setattr(packed, PACKED_EXPERTS, True)
         packed.quant_state = state  # as on bitsandbytes' Params4bit: the weight's shape, for counting it
