@@ -35,6 +35,7 @@ from transformers import PreTrainedTokenizerBase
 
 from deepzero.data.dataset import PackedDataset, meta_header
 from deepzero.data.preference import PairEncoder
+from deepzero.data.record_shapes import is_message
 from deepzero.data.sources import Chat, iter_records
 from deepzero.data.tokenizer import identity, train_tokenizer_from_texts
 from deepzero.data.writer import (
@@ -118,7 +119,7 @@ def parse_prompt(record: dict[str, Any], where: str) -> Prompt:
     if "prompt" not in record:
         raise UserError(where, f"record has no 'prompt' (keys: {sorted(record)})", _FIX_RECORD)
     value = record["prompt"]
-    if isinstance(value, list) and value and all(_is_message(m) for m in value):
+    if isinstance(value, list) and value and all(is_message(m) for m in value):
         value = [{"role": m["role"], "content": m["content"]} for m in value]
     elif not isinstance(value, str):
         raise UserError(where, "'prompt' is neither a string nor a non-empty list of {role, content}", _FIX_RECORD)
@@ -130,10 +131,6 @@ def parse_prompt(record: dict[str, Any], where: str) -> Prompt:
     except (TypeError, ValueError) as err:
         raise UserError(where, f"the record's other fields are not JSON ({err})", "keep only JSON values") from None
     return Prompt(value, fields, where)
-
-
-def _is_message(m: Any) -> bool:
-    return isinstance(m, dict) and isinstance(m.get("role"), str) and isinstance(m.get("content"), str)
 
 
 def read_prompts(
