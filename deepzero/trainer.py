@@ -26,6 +26,7 @@ from deepzero.metrics import peak_memory_gb
 from deepzero.moe_balance import padding_id
 from deepzero.preemption import StopRequest
 from deepzero.run import Run, setup
+from deepzero.watchdog import phase
 
 ROW_TRACE_ENV = "DEEPZERO_ROW_TRACE"
 """A folder: every rank records the row ids of its micro-batches there (see ``traced_rows``)."""
@@ -97,7 +98,8 @@ def train_loop(run: Run, batches: Iterator[Batch]) -> None:
     bad_streak = torch.zeros((), dtype=torch.int64, device=engine.device)  # consecutive steps with non-finite loss
     window = Window(engine.synchronize)
     while run.state.step < args.max_steps:
-        step_loss = engine.train_step(batches)
+        with phase("in a training step (its collectives, or GRPO's generation and rewards)", every=True):
+            step_loss = engine.train_step(batches)
         if run.balancer is not None:
             run.balancer.after_step()  # the V3 bias update: one all-reduce of the step's loads, no host wait
         bad_streak = (bad_streak + 1) * (~torch.isfinite(step_loss))

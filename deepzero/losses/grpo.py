@@ -46,6 +46,7 @@ from deepzero.rollout.generation import (
 from deepzero.rollout.rewards import RewardContext
 from deepzero.rollout.scores import Condition, summarise
 from deepzero.rollout.votes import voter_for
+from deepzero.watchdog import phase
 
 LOSS_TYPES = ("dapo", "grpo", "dr_grpo", "bnpo")
 SCALES = ("group", "batch", "none")
@@ -404,7 +405,7 @@ class GRPO:
         generation = self.seeds.generations
         rows_prompts = [p for p in ids for _ in range(g)]
         seeds = [seed for i in index for seed in self.seeds.rows(generation, i, g)]
-        with self.timer.phase("generation"), _generating(engine, model):
+        with self.timer.phase("generation"), _generating(engine, model), phase("generating completions", every=True):
             completions = self.sampler.sample(model, rows_prompts, seeds)
         self.timer.tokens += sum(map(len, completions))
         self.seeds.generations += 1
