@@ -46,8 +46,7 @@ def stale_locks(root: Path | None = None, now: float | None = None) -> list[Path
     """Lock files of op builds older than STALE_AFTER_S, oldest first."""
     root = root or build_root()
     now = time.time() if now is None else now
-    locks = [*root.glob("*/lock"), *root.glob("*/*/lock")]
-    aged = [(lock.stat().st_mtime, lock) for lock in locks if lock.is_file()]
+    aged = [(lock.stat().st_mtime, lock) for lock in op_locks(root)]
     return [lock for mtime, lock in sorted(aged) if now - mtime > STALE_AFTER_S]
 
 

@@ -33,7 +33,7 @@ from deepzero import (
 )
 from deepzero import sequence_parallel as sp
 from deepzero.adapters import quant
-from deepzero.adapters.lora import LoraSpec, check_fused_pair, check_same_adapters
+from deepzero.adapters.lora import LoraSpec, check_moe_targets, check_same_adapters
 from deepzero.args import TrainArgs
 from deepzero.data import PackedDataset, check_enough_rows, load_meta, open_split
 from deepzero.distributed import init_distributed
@@ -125,7 +125,7 @@ def plan_run(args: TrainArgs, world: int) -> RunPlan:
     source = modeling.resolve_model(args.model)
     config = modeling.load_config(source, args.trust_remote_code)
     if args.lora is not None:
-        check_fused_pair(LoraSpec.parse(args.lora), config, routed_experts(config))
+        check_moe_targets(LoraSpec.parse(args.lora), config, routed_experts(config))
     preset = PRESETS.get(args.model)
     from_scratch = preset is not None and preset.hub_id is None and preset.pretrain_lr is not None
     scratch_warmup = from_scratch and args.lr is None and args.warmup_steps is None

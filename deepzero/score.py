@@ -124,8 +124,7 @@ def score(args: argparse.Namespace) -> dict[str, Any]:
     summary |= {"correct": str(judge.correct), "reward": args.reward, "benchmark": args.benchmark}
     summary |= {"samples": str(args.samples), "data": args.data}
     write_atomic(out / "summary.json", json.dumps(summary, indent=2))
-    what = f"--benchmark {args.benchmark}" if bench else f"--reward {' '.join(args.reward)}"
-    if error := scored_nothing(summary, what):
+    if error := scored_nothing(summary, args.benchmark, args.reward):
         raise error
     return summary
 

@@ -38,9 +38,8 @@ def hostile_code(prompts, completions, test, entry_point, **kwargs):
 def code_task(tmp_path_factory: pytest.TempPathFactory) -> dict:
     """Function tasks "def value_N():\\n    return " whose test wants 0, prepared with --format prompts (a BPE
     trained here), a reward file running hostile programs through the code reward, and a tiny random Qwen2."""
-    from transformers import AutoTokenizer
 
-    from tests.test_grpo import tiny_qwen
+    from tests.test_grpo import save_tiny_qwen
 
     root = tmp_path_factory.mktemp("code")
     rows = []
@@ -54,11 +53,7 @@ def code_task(tmp_path_factory: pytest.TempPathFactory) -> dict:
     cmd += ["--val-fraction", "0.2", "--out", str(root / "data")]
     proc = subprocess.run(cmd, cwd=REPO, capture_output=True, text=True, env=cpu_env())
     assert proc.returncode == 0, proc.stderr
-    tok = AutoTokenizer.from_pretrained(root / "data" / "tokenizer")
-    model = tiny_qwen(vocab=len(tok))
-    model.config.eos_token_id, model.config.pad_token_id = tok.eos_token_id, tok.pad_token_id
-    model.save_pretrained(root / "model")
-    tok.save_pretrained(root / "model")
+    save_tiny_qwen(root / "data", root / "model")
     return {"root": root, "data": root / "data", "model": root / "model", "reward": root / "reward.py"}
 
 

@@ -13,6 +13,7 @@ import json
 import types
 from collections import defaultdict
 from contextlib import nullcontext
+from pathlib import Path
 from types import SimpleNamespace
 
 import pytest
@@ -230,8 +231,6 @@ def rl(tmp_path_factory: pytest.TempPathFactory) -> dict:
     import subprocess
     import sys
 
-    from transformers import AutoTokenizer
-
     from tests.conftest import REPO, cpu_env
 
     root = tmp_path_factory.mktemp("grpo")
@@ -244,12 +243,19 @@ def rl(tmp_path_factory: pytest.TempPathFactory) -> dict:
     cmd += ["--tokenizer", "train", "--vocab-size", "300", "--seq-len", "32", "--out", str(root / "data")]
     proc = subprocess.run(cmd, cwd=REPO, capture_output=True, text=True, env=cpu_env())
     assert proc.returncode == 0, proc.stderr
-    tok = AutoTokenizer.from_pretrained(root / "data" / "tokenizer")
+    save_tiny_qwen(root / "data", root / "model")
+    return {"root": root, "data": root / "data", "model": root / "model", "reward": root / "reward.py"}
+
+
+def save_tiny_qwen(data: Path, out: Path) -> None:
+    """A tiny random Qwen2 with the prepared ``data``'s tokenizer (its end and pad tokens), saved with it to ``out``."""
+    from transformers import AutoTokenizer
+
+    tok = AutoTokenizer.from_pretrained(data / "tokenizer")
     model = tiny_qwen(vocab=len(tok))
     model.config.eos_token_id, model.config.pad_token_id = tok.eos_token_id, tok.pad_token_id
-    model.save_pretrained(root / "model")
-    tok.save_pretrained(root / "model")
-    return {"root": root, "data": root / "data", "model": root / "model", "reward": root / "reward.py"}
+    model.save_pretrained(out)
+    tok.save_pretrained(out)
 
 
 def grpo_args(rl: dict, out, reward: str = "share", accum: int = 1, *extra: str) -> list[str]:

@@ -137,14 +137,14 @@ def test_targets_that_wrap_no_linear_layer_are_rejected(target: str, message: st
 
 def test_lm_head_and_the_router_are_refused_before_any_weight_loads() -> None:
     """lm_head (any model) when --lora is parsed; the MoE router 'gate' as soon as the config is read."""
-    from deepzero.adapters.lora import check_fused_pair
+    from deepzero.adapters.lora import check_moe_targets
     from deepzero.flops import routed_experts
 
     with pytest.raises(UserError, match="targets=lm_head: lm_head is not adapted"):
         LoraSpec.parse("targets=o_proj,lm_head")
     config = tiny().config
     with pytest.raises(UserError, match="'gate' is the deepseek_v3 router"):
-        check_fused_pair(LoraSpec.parse("targets=o_proj,gate"), config, routed_experts(config))
+        check_moe_targets(LoraSpec.parse("targets=o_proj,gate"), config, routed_experts(config))
 
 
 def test_experts_take_no_dropout() -> None:
@@ -386,14 +386,14 @@ def test_half_of_the_fused_gate_up_pair_on_a_moe_is_one_line_before_loading(tiny
     import subprocess
     import sys
 
-    from deepzero.adapters.lora import check_fused_pair
+    from deepzero.adapters.lora import check_moe_targets
     from deepzero.flops import routed_experts
     from tests.conftest import REPO, cpu_env
 
     config = tiny().config
     with pytest.raises(UserError, match=r"names up_proj without gate_proj: on a deepseek_v3 model peft exports"):
-        check_fused_pair(LoraSpec.parse("targets=q_b_proj,up_proj"), config, routed_experts(config))
-    check_fused_pair(LoraSpec.parse("targets=gate_proj,up_proj"), config, routed_experts(config))  # the pair: fine
+        check_moe_targets(LoraSpec.parse("targets=q_b_proj,up_proj"), config, routed_experts(config))
+    check_moe_targets(LoraSpec.parse("targets=gate_proj,up_proj"), config, routed_experts(config))  # the pair: fine
     config.save_pretrained(tmp_path / "config-only")  # no weights at all
     cmd = [
         sys.executable,

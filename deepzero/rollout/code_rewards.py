@@ -79,9 +79,11 @@ def _texts(completions: list[Any]) -> list[str]:
     return [c[-1]["content"] if isinstance(c, list) else c for c in completions]
 
 
-def _log(
+def log_verdicts(
     verdicts: Sequence[Verdict], log_extra: Callable | None, log_metric: Callable | None, column: str = "code_verdict"
 ) -> None:
+    """Each completion's verdict as the ``column`` of the completions table, the shares of timeouts and errors as
+    metrics (TRL's ``log_extra`` / ``log_metric``; either may be absent)."""
     if log_extra is not None:
         log_extra(column, [f"{v.status}: {v.detail}" if v.detail else v.status for v in verdicts])
     if log_metric is not None and verdicts:
@@ -108,7 +110,7 @@ def code_reward(sandbox: Sandbox, column: str = "code_verdict") -> Callable[...,
             for p, c, t, e in zip(prompts, _texts(completions), test, entries, strict=True)
         ]
         verdicts = [ran_to_the_end(v, token) for v in sandbox.run_many(programs)]
-        _log(verdicts, log_extra, log_metric, column)
+        log_verdicts(verdicts, log_extra, log_metric, column)
         return [float(v.passed) for v in verdicts]
 
     return code
@@ -151,7 +153,7 @@ def code_io_reward(sandbox: Sandbox, all_pass: bool) -> Callable[..., list[float
             passed[i] += ok
             if first[i] is None and not ok:
                 first[i] = v if v.status != "passed" else Verdict("failed", "wrong output", v.stdout)
-        _log([f or Verdict("passed") for f in first], log_extra, log_metric)
+        log_verdicts([f or Verdict("passed") for f in first], log_extra, log_metric)
         shares = [passed[i] / len(each[i]) for i in range(len(texts))]
         return [float(s == 1.0) for s in shares] if all_pass else shares
 

@@ -224,8 +224,8 @@ class Job:
         bar.close()
         figures = self.run_figures()
         summary = self.finish(figures) if self.rank == 0 else {}
-        what = f"--benchmark {self.args.benchmark}" if self.args.benchmark else f"--reward {' '.join(self.args.reward)}"
-        if error := rank0_decides(lambda: str(e) if (e := scored_nothing(summary, what)) else None):
+        a = self.args
+        if error := rank0_decides(lambda: str(e) if (e := scored_nothing(summary, a.benchmark, a.reward)) else None):
             raise RaisedElsewhere(error)
         return summary
 
@@ -253,8 +253,8 @@ class Job:
         self.generation_s += time.perf_counter() - start  # generate returns the tokens: the device is done
         self.generated += sum(map(len, completions))
         texts = self.tokenizer.batch_decode(completions, skip_special_tokens=True)
-        ended = [truncated(c, self.sampler.eos_ids) for c in completions]
-        lines = self.judge.lines(self.data, indices, k, texts, completions, ended)
+        at_limit = [truncated(c, self.sampler.eos_ids) for c in completions]
+        lines = self.judge.lines(self.data, indices, k, texts, completions, at_limit)
         return [line | {"prompt_cut": cut[line["index"]]} if cut[line["index"]] else line for line in lines]
 
     def run_figures(self) -> dict[str, Any]:

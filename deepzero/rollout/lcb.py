@@ -174,30 +174,51 @@ def decimals(line):
         return False, []
 
 
+def timed(run):  # run() under LCB's per-test alarm: its result and None, or None and why it failed
+    try:
+        signal.alarm(TIMEOUT)
+        faulthandler.enable()
+        return run(), None
+    except Timeout:
+        return None, "timeout"
+    except Exception as err:
+        return None, f"error: {type(err).__name__}"
+    finally:
+        signal.alarm(0)
+        faulthandler.disable()
+
+
+def printed(method, inputs):  # what method prints, fed inputs on stdin
+    real, sys.stdout = sys.stdout, StringIO()
+    try:
+        call_method(method, inputs)
+        return sys.stdout.getvalue()
+    finally:
+        sys.stdout = real
+
+
+def same_lines(got, want):
+    got, want = stripped(got), stripped(want)
+    if len(got) != len(want):
+        return False
+    for a, b in zip(got, want):
+        if a != b:
+            (ok_a, a_), (ok_b, b_) = decimals(a), decimals(b)
+            if not (ok_a and ok_b and a_ == b_):
+                return False
+    return True
+
+
 def grade_stdio():
     method = getattr(compile_code(make_function(clean_if_name(CODE))), "wrapped_function", None)
     if method is None:
         return "no program"
     for inputs, want in zip(TESTS["inputs"], TESTS["outputs"]):
-        real, sys.stdout = sys.stdout, StringIO()
-        try:
-            signal.alarm(TIMEOUT)
-            faulthandler.enable()
-            call_method(method, inputs)
-        except Timeout:
-            return "timeout"
-        except Exception as err:
-            return f"error: {type(err).__name__}"
-        finally:
-            signal.alarm(0)
-            faulthandler.disable()
-            got, sys.stdout = sys.stdout.getvalue(), real
-        got, want = stripped(got), stripped(want)
-        if len(got) != len(want):
+        got, failure = timed(lambda: printed(method, inputs))
+        if failure:
+            return failure
+        if not same_lines(got, want):
             return "wrong output"
-        for a, b in zip(got, want):
-            if a != b and not (decimals(a)[0] and decimals(b)[0] and decimals(a)[1] == decimals(b)[1]):
-                return "wrong output"
     return None
 
 
@@ -207,17 +228,9 @@ def grade_call():
         return "no such function"
     for inputs, want in zip(TESTS["inputs"], TESTS["outputs"]):
         args = [json.loads(line) for line in inputs.split("\n")]
-        try:
-            signal.alarm(TIMEOUT)
-            faulthandler.enable()
-            got = method(*args)
-        except Timeout:
-            return "timeout"
-        except Exception as err:
-            return f"error: {type(err).__name__}"
-        finally:
-            signal.alarm(0)
-            faulthandler.disable()
+        got, failure = timed(lambda: method(*args))
+        if failure:
+            return failure
         if isinstance(got, tuple):
             got = list(got)
         if got != json.loads(want):
@@ -245,7 +258,7 @@ def lcb_reward(sandbox: Any) -> Any:
     """The ``lcb`` benchmark's reward: 1.0 when the completion's code passes every test (TRL's signature)."""
     import secrets
 
-    from deepzero.rollout.code_rewards import _log
+    from deepzero.rollout.code_rewards import log_verdicts
     from deepzero.rollout.sandbox import Verdict
 
     def lcb(
@@ -263,7 +276,7 @@ def lcb_reward(sandbox: Any) -> Any:
                 verdicts.append(Verdict("failed", last.removeprefix("FAILED "), ""))
             else:
                 verdicts.append(v if not v.passed else Verdict("failed", "left before its tests finished", ""))
-        _log(verdicts, log_extra, kw.get("log_metric"))
+        log_verdicts(verdicts, log_extra, kw.get("log_metric"))
         return [float(v.passed) for v in verdicts]
 
     return lcb

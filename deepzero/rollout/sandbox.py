@@ -152,7 +152,8 @@ class Sandbox:
             given = _memfd("stdin", stdin.encode())
             out, err = (work / "stdout").open("wb"), (work / "stderr").open("wb")
             if self.mode == "bwrap":
-                cmd = [*self._bwrap(source), self.python, "-I", "-B", "/sandbox/program.py"]
+                program_file = ["--ro-bind-data", str(source), "/sandbox/program.py"]
+                cmd = [*bwrap_args(self.limits), *program_file, self.python, "-I", "-B", "/sandbox/program.py"]
                 env, cwd = {}, "/"
             else:
                 (work / "program.py").write_bytes(program.encode())
@@ -184,16 +185,6 @@ class Sandbox:
         finally:
             shutil.rmtree(work, ignore_errors=True)
         return _verdict(code, timed_out, stdout, stderr)
-
-    def _bwrap(self, source_fd: int) -> list[str]:
-        cmd = [bwrap(), "--unshare-all", "--die-with-parent", "--new-session", "--clearenv"]
-        cmd += ["--setenv", "PATH", "/usr/bin:/bin", "--setenv", "HOME", "/tmp", "--setenv", "PYTHONHASHSEED", "0"]
-        for folder in SYSTEM_DIRS:
-            if Path(folder).exists():
-                cmd += ["--ro-bind", folder, folder]
-        cmd += ["--proc", "/proc", "--dev", "/dev", "--size", str(self.limits.file_mb << 20), "--tmpfs", "/tmp"]
-        cmd += ["--ro-bind-data", str(source_fd), "/sandbox/program.py", "--chdir", "/tmp"]
-        return cmd
 
 
 def _verdict(code: int | None, timed_out: bool, stdout: str, stderr: str) -> Verdict:
@@ -306,15 +297,23 @@ def system_python() -> str:
     )
 
 
-@cache
-def check_bwrap(python: str) -> None:
-    """One trial program; bwrap refused (no user namespaces in this container, ...) is one line naming the fix."""
-    lim = Limits()
-    cmd = [bwrap(), "--unshare-all", "--die-with-parent", "--clearenv"]
+def bwrap_args(limits: Limits) -> list[str]:
+    """bubblewrap's containment of one program (the module docstring), up to the program itself."""
+    cmd = [bwrap(), "--unshare-all", "--die-with-parent", "--new-session", "--clearenv"]
+    cmd += ["--setenv", "PATH", "/usr/bin:/bin", "--setenv", "HOME", "/tmp", "--setenv", "PYTHONHASHSEED", "0"]
     for folder in SYSTEM_DIRS:
         if Path(folder).exists():
             cmd += ["--ro-bind", folder, folder]
-    cmd += ["--proc", "/proc", "--dev", "/dev", "--tmpfs", "/tmp", python, "-I", "-c", "print('ok')"]
+    cmd += ["--proc", "/proc", "--dev", "/dev", "--size", str(limits.file_mb << 20), "--tmpfs", "/tmp"]
+    return [*cmd, "--chdir", "/tmp"]
+
+
+@cache
+def check_bwrap(python: str) -> None:
+    """One trial program under the containment every program gets; bwrap refused (no user namespaces in this
+    container, ...) is one line naming the fix."""
+    lim = Limits()
+    cmd = [*bwrap_args(lim), python, "-I", "-c", "print('ok')"]
     proc = subprocess.run(cmd, capture_output=True, text=True, timeout=30, preexec_fn=_limiter(lim, _uid_for(0)))
     if proc.returncode != 0 or proc.stdout.strip() != "ok":
         why = (proc.stderr.strip().splitlines() or [f"exit code {proc.returncode}"])[-1]

@@ -28,6 +28,7 @@ from dataclasses import dataclass
 import numpy as np
 
 from deepzero.errors import UserError
+from deepzero.rollout.votes import LOGGED
 
 _OPS: dict[str, Callable[[float, float], bool]] = {
     ">=": operator.ge,
@@ -145,9 +146,8 @@ def summarise(lines: Iterable[dict], ks: Sequence[int] | None = None) -> dict[st
         each = wanted or sorted({*(2**i for i in range(n.bit_length())), n})  # default: 1, 2, 4, ..., n
         figures = {f"pass@{k}": pass_at_k(n, c, k) for k in each if k <= n} | {"avg": c / n}
         votes = line.get("votes")
-        if votes is None:  # lines without voter groups: equal answers vote together
-            answers = [None if a in (None, "[unparseable]", "[skipped]", "") else a for a in line["answers"]]
-            votes = [None if a is None else answers.index(a) for a in answers]
+        if votes is None:  # lines without voter groups: the logged answers vote, equal texts together
+            votes = LOGGED.groups([""] * n, line["answers"])
         figures["cons"] = float(consensus_correct(votes, correct))
         if "completions" in line:
             figures["maj"] = float(text_majority_correct(line["completions"], correct))
@@ -174,8 +174,10 @@ def summarise(lines: Iterable[dict], ks: Sequence[int] | None = None) -> dict[st
     return out
 
 
-def scored_nothing(summary: dict[str, object], what: str) -> UserError | None:
-    """One line when the rewards scored no sample at all (every value None: figures of nothing)."""
+def scored_nothing(summary: dict[str, object], benchmark: str | None, reward: Sequence[str]) -> UserError | None:
+    """One line naming ``--benchmark`` or ``--reward`` when it scored no sample at all (every value None: figures of
+    nothing)."""
+    what = f"--benchmark {benchmark}" if benchmark else f"--reward {' '.join(reward)}"
     every = int(summary["prompts"]) * int(summary["samples_per_prompt"])  # type: ignore[call-overload]
     if not every or summary["samples_unscored"] != every:
         return None
