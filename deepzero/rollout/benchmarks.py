@@ -287,10 +287,11 @@ def benchmark_reward(bench: Benchmark) -> Callable[..., list[float | None]]:
     return reward
 
 
-def benchmark_rewards(bench: Benchmark, sandbox: str = "bwrap") -> Any:
+def benchmark_rewards(bench: Benchmark, sandbox: str = "bwrap", timeout_s: float | None = None) -> Any:
     """The benchmark's scoring as a run's one reward, named as the benchmark: reading the records' ``gold``, or for
-    a code benchmark the ``code`` reward on the completion cut at the stop sequences, in the ``sandbox`` mode."""
-    from deepzero.rollout.rewards import Reward, RewardSet, shared_sandbox
+    a code benchmark the ``code`` reward on the completion cut at the stop sequences, in the ``sandbox`` mode; a call
+    longer than ``timeout_s`` (default: ``--reward-timeout``'s) is one line."""
+    from deepzero.rollout.rewards import DEFAULT_TIMEOUT_S, Reward, RewardSet, shared_sandbox
 
     if bench.scoring == "code":
         from deepzero.rollout.code_rewards import code_reward
@@ -300,14 +301,16 @@ def benchmark_rewards(bench: Benchmark, sandbox: str = "bwrap") -> Any:
         def harness(prompts: list[Any], completions: list[Any], **kw: Any) -> list[float]:
             return run(prompts, [truncate_at_stops(c) for c in completions], **kw)
 
-        return RewardSet([Reward(bench.name, 1.0, harness, messages=False, needs=("test",))])
-    if bench.scoring == "lcb":
+        reward = Reward(bench.name, 1.0, harness, messages=False, needs=("test",))
+    elif bench.scoring == "lcb":
         from deepzero.rollout.lcb import MOST_TESTS_S, lcb_reward
         from deepzero.rollout.sandbox import Limits, Sandbox
 
         box = Sandbox(sandbox, Limits(wall_s=MOST_TESTS_S, cpu_s=MOST_TESTS_S, memory_mb=4096))
-        return RewardSet([Reward(bench.name, 1.0, lcb_reward(box), messages=False, needs=("lcb_tests",))])
-    return RewardSet([Reward(bench.name, 1.0, benchmark_reward(bench), messages=False, needs=("gold",))])
+        reward = Reward(bench.name, 1.0, lcb_reward(box), messages=False, needs=("lcb_tests",))
+    else:
+        reward = Reward(bench.name, 1.0, benchmark_reward(bench), messages=False, needs=("gold",))
+    return RewardSet([reward], DEFAULT_TIMEOUT_S if timeout_s is None else timeout_s)
 
 
 def prepare_benchmark(bench: Benchmark, data: str, tokenizer: str, completion_len: int, out: Path) -> Path:

@@ -115,7 +115,7 @@ class Job:
         self.data = PromptDataset(self.benchmark_data(bench) if bench else args.data, split)
         self.completion_len = args.max_completion_length or self.data.max_completion_length
         if bench is not None:
-            self.rewards: RewardSet = benchmark_rewards(bench)
+            self.rewards: RewardSet = benchmark_rewards(bench, args.sandbox, args.reward_timeout)
         else:
             self.rewards = parse_rewards(
                 args.reward, self.completion_len, sandbox=args.sandbox, timeout_s=args.reward_timeout
