@@ -46,8 +46,17 @@ def stale_locks(root: Path | None = None, now: float | None = None) -> list[Path
     """Lock files of op builds older than STALE_AFTER_S, oldest first."""
     root = root or build_root()
     now = time.time() if now is None else now
-    aged = [(lock.stat().st_mtime, lock) for lock in op_locks(root)]
+    aged = [(mtime, lock) for lock in op_locks(root) if (mtime := modified(lock)) is not None]
     return [lock for mtime, lock in sorted(aged) if now - mtime > STALE_AFTER_S]
+
+
+def modified(lock: Path) -> float | None:
+    """``lock``'s modification time; None once it is gone (torch takes and drops the lock on every op load, so a
+    lock seen a moment ago may have been released since)."""
+    try:
+        return lock.stat().st_mtime
+    except FileNotFoundError:
+        return None
 
 
 def op_locks(root: Path) -> list[Path]:
@@ -85,10 +94,11 @@ def check_op_builds(root: Path | None = None) -> None:
     """Clear the locks killed builds left (:func:`claim_op_builds`); refuse to start behind one too old to be a
     live build's: that launch would hang with no message."""
     claim_op_builds(root)
-    stale = stale_locks(root)
-    if stale:
-        lock = stale[0]
-        started = time.strftime("%Y-%m-%d %H:%M", time.gmtime(lock.stat().st_mtime))
+    for lock in stale_locks(root):
+        mtime = modified(lock)
+        if mtime is None:
+            continue  # released meanwhile
+        started = time.strftime("%Y-%m-%d %H:%M", time.gmtime(mtime))
         raise UserError(
             str(lock),
             f"left by a DeepSpeed op build that started {started} UTC and never finished; every launch waits on it",

@@ -99,3 +99,18 @@ def test_setup_builds_what_the_seed_preset_loads() -> None:
         folder = next(build_root().glob(f"*/{name}"), None) or build_root() / name
         assert (folder / f"{name}.so").is_file(), folder
         assert not (folder / "lock").exists()
+
+
+def test_a_lock_released_while_it_is_looked_at_is_not_an_error(tmp_path: Path, monkeypatch) -> None:
+    """torch takes and drops an op's lock on every load: another rank's lock seen by the glob may be gone by the
+    time its age is read (seen in CI as a FileNotFoundError from every rank of a launch)."""
+    import deepzero.op_builds as op_builds
+
+    real = lock(tmp_path / "cpu_adam" / "lock", 2 * STALE_AFTER_S)
+    gone = tmp_path / "deepspeed_shm_comm" / "lock"  # listed, then released before its stat
+    monkeypatch.setattr(op_builds, "op_locks", lambda root: [gone, real])
+    monkeypatch.setattr(op_builds, "claim_op_builds", lambda root=None: [])
+    assert stale_locks(tmp_path) == [real]
+    real.unlink()  # released between the age check and the message
+    monkeypatch.setattr(op_builds, "stale_locks", lambda root=None: [real])
+    check_op_builds(tmp_path)
