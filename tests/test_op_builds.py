@@ -114,3 +114,35 @@ def test_a_lock_released_while_it_is_looked_at_is_not_an_error(tmp_path: Path, m
     real.unlink()  # released between the age check and the message
     monkeypatch.setattr(op_builds, "stale_locks", lambda root=None: [real])
     check_op_builds(tmp_path)
+
+
+def test_a_real_build_killed_mid_way_then_a_launch_finishes_the_build_and_trains(
+    tiny_data: Path, tmp_path: Path
+) -> None:
+    """The hang as users meet it: `make setup`'s op build (python -m deepzero.op_builds) is SIGKILLed while it
+    compiles, leaving torch's lock; the next launch says so in one line, builds the op and trains (before, every
+    rank slept on the lock for ever after the header)."""
+    import signal
+
+    from conftest import cpu_env, launch, records
+
+    from deepzero.op_builds import op_locks
+
+    root = tmp_path / "extensions"
+    env = cpu_env(TORCH_EXTENSIONS_DIR=str(root))
+    build = subprocess.Popen([sys.executable, "-m", "deepzero.op_builds"], cwd=REPO, env=env,
+                             stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, start_new_session=True)  # fmt: skip
+    deadline = time.monotonic() + 120
+    while not (root.is_dir() and op_locks(root)) and time.monotonic() < deadline:
+        time.sleep(0.2)
+    time.sleep(1.0)  # the compiler is running
+    os.killpg(build.pid, signal.SIGKILL)
+    build.wait()
+    left = op_locks(root)
+    assert left and not list(root.glob("**/*.so")), "the build was not killed mid-way"
+    out = tmp_path / "run"
+    proc = launch(["--data", str(tiny_data), "--out", str(out), "--max-steps", "2", "--ds", "train_batch_size=auto",
+                   "--log-interval", "1", "--eval-interval", "0", "--save-interval", "0", "--no-export"],
+                  nproc=1, env=env, timeout=600)  # fmt: skip
+    assert f"removed {left[0]}, left by a DeepSpeed op build that was killed" in proc.stdout
+    assert [r["step"] for r in records(out)] == [1, 2] and list(root.glob("**/*.so"))
