@@ -13,6 +13,10 @@ names where the message comes from, so it can be dropped when the library stops 
 - DeepSpeed 0.19.8's CPU backend prints ``DeepSpeed deepspeed.ops.comm.deepspeed_shm_comm_op built successfully``
   on every rank whenever it loads its shared-memory op, built or not (``comm/torch.py: build_shm_op``, a plain
   ``print`` inside ``deepspeed.init_distributed``): :func:`printed_lines_dropped` around that call.
+- bitsandbytes 0.50's CPU backend, on a CPU with AVX512-BF16 (a GPU host's CPU too), asks the Hub's ``kernels`` for
+  a faster CPU 4-bit matmul when it is imported and logs ``Failed to load CPU gemm_4bit_forward from
+  kernels-community: ... could not verify publisher trust status`` on every rank when that is refused (always,
+  offline or not; ``backends/cpu/ops.py``); it then uses its own kernel, as it would without ``kernels``.
 """
 
 from __future__ import annotations
@@ -30,6 +34,9 @@ FUTURE_WARNINGS = (r"`torch\.distributed\.all_gather_into_tensor` is deprecated\
 DEEPSPEED_MESSAGES = frozenset({"Attempting to get learning rate from scheduler before it has started"})
 """Exact messages dropped from DeepSpeed's logger."""
 DEEPSPEED_LOGGER = "DeepSpeed"
+BITSANDBYTES_PREFIXES = ("Failed to load CPU gemm_4bit_forward from kernels-community",)
+"""Message starts dropped from bitsandbytes' CPU backend logger."""
+BITSANDBYTES_LOGGER = "bitsandbytes.backends.cpu.ops"
 PRINTED = (re.compile(r"DeepSpeed \S+ built successfully"),)
 """Whole lines that DeepSpeed prints (not logs) and :func:`printed_lines_dropped` drops."""
 
@@ -45,6 +52,17 @@ class _DropMessages(logging.Filter):
         return record.getMessage() not in self.messages
 
 
+class _DropPrefixes(logging.Filter):
+    """Drops records whose message starts with one of ``prefixes``."""
+
+    def __init__(self, prefixes: tuple[str, ...]) -> None:
+        super().__init__()
+        self.prefixes = prefixes
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        return not record.getMessage().startswith(self.prefixes)
+
+
 def install() -> None:
     """Install the filters (idempotent: a second call adds nothing)."""
     for pattern in FUTURE_WARNINGS:
@@ -52,6 +70,9 @@ def install() -> None:
     logger = logging.getLogger(DEEPSPEED_LOGGER)
     if not any(isinstance(f, _DropMessages) for f in logger.filters):
         logger.addFilter(_DropMessages(DEEPSPEED_MESSAGES))
+    bnb = logging.getLogger(BITSANDBYTES_LOGGER)  # before bitsandbytes is imported: the notice comes at import
+    if not any(isinstance(f, _DropPrefixes) for f in bnb.filters):
+        bnb.addFilter(_DropPrefixes(BITSANDBYTES_PREFIXES))
 
 
 @contextlib.contextmanager

@@ -61,3 +61,23 @@ def test_rank_0_draws_a_progress_bar_under_a_terminal(tiny_data: Path, tmp_path:
     assert "3/3 [" in screen  # tqdm's bar, drawn 80 columns wide where the terminal reports 0
     assert screen.count("step/s]") + screen.count("s/step]") >= 1
     assert screen.count("[train] step=3") == 1  # one rank logs
+
+
+def test_bitsandbytes_kernel_hub_notice_is_dropped_and_nothing_else() -> None:
+    """bitsandbytes' CPU backend logs a failed Hub kernel load on every rank at import (on CPUs with AVX512-BF16,
+    a GPU host's too); deepzero.quiet drops exactly that message. Where this CPU makes bitsandbytes say it, the real
+    import is checked too; the logged stand-ins are checked on every CPU."""
+    probe = (
+        "import logging, sys\n"
+        "if sys.argv[1] == 'quiet':\n"
+        "    from deepzero import quiet; quiet.install()\n"
+        "import bitsandbytes\n"
+        "log = logging.getLogger('bitsandbytes.backends.cpu.ops')\n"
+        "log.warning('Failed to load CPU gemm_4bit_forward from kernels-community: stand-in')\n"
+        "log.warning('another bitsandbytes warning')\n"
+    )
+    run = {m: subprocess.run([sys.executable, "-c", probe, m], cwd=REPO, capture_output=True, text=True, check=True)
+           for m in ("loud", "quiet")}  # fmt: skip
+    assert "stand-in" in run["loud"].stderr and "stand-in" not in run["quiet"].stderr
+    assert "another bitsandbytes warning" in run["quiet"].stderr
+    assert "kernels-community" not in run["quiet"].stderr
