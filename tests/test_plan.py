@@ -270,6 +270,28 @@ def test_cli_grpo_prints_the_longest_completions(capsys: pytest.CaptureFixture[s
     assert plan.main([*argv[:3], "--num-generations", "0"]) == 2
 
 
+def test_cli_grpo_plans_its_micro_batch(capsys: pytest.CaptureFixture[str]) -> None:
+    """--grpo --micro-batch N trains N prompt + completion rows at a time (train.py's GRPO micro-batch counts
+    completions): a larger one shortens the longest completion and raises the peak at a given length."""
+    stats = model_stats(PRESETS["deepseek-r1-distill-qwen-1.5b"].config(), "1.5b")
+    grpo, gpu, cpu = plan.GrpoTerms(8, prompt_len=512), 24 * GiB, 128 * GiB
+    one = plan.longest_completions(stats, N, gpu, cpu, grpo, lora_rank=16)
+    four = plan.longest_completions(stats, N, gpu, cpu, grpo, lora_rank=16, micro_batch=4)
+    assert all(r.setup.micro_batch == 4 and r.estimate.fits(gpu, cpu) for r in four if r.seq_len)
+    assert all(f.seq_len <= o.seq_len for o, f in zip(one, four, strict=True))
+    assert sum(f.seq_len for f in four) < sum(o.seq_len for o in one)
+    at = replace(one[1].setup, seq_len=512 + 2048)  # zero2_bf16, checkpointing on
+    assert estimate(stats, replace(at, micro_batch=4)).gpu_total > estimate(stats, at).gpu_total
+    argv = ["--model", "deepseek-r1-distill-qwen-1.5b", "--grpo"]
+    outs = []
+    for micro in ("1", "4"):
+        assert plan.main([*argv, "--micro-batch", micro]) == 0
+        outs.append(capsys.readouterr().out)
+    assert "micro-batch 1 (completions;" in outs[0] and "micro-batch 4 (completions;" in outs[1]
+    tables = [out.split("\n\n")[1] for out in outs]
+    assert tables[0] != tables[1]  # the figures, not only the header, follow --micro-batch
+
+
 @pytest.mark.parametrize("targets", ["attn", "attn,experts"])
 def test_lora_spec_counts_what_peft_wraps(targets: str) -> None:
     """check_fit's LoRA trainable count is the one apply_lora leaves trainable (tiny V3: 16,640 attn; 68,864 with

@@ -35,7 +35,12 @@ def main(argv: Sequence[str] | None = None) -> int:
     parser.add_argument("--gpu-mem", type=float, default=24.0, help="GiB per card (an RTX 4090 has 24)")
     parser.add_argument("--cpu-mem", type=float, default=128.0, help="host RAM in GiB, whole machine")
     parser.add_argument("--seq-len", type=int, default=2048)
-    parser.add_argument("--micro-batch", type=int, default=1, help="micro-batch the table is computed for")
+    parser.add_argument(
+        "--micro-batch",
+        type=int,
+        default=1,
+        help="micro-batch the table is computed for (--preference: pairs; --grpo: completions, as train.py counts)",
+    )
     parser.add_argument("--lora-rank", type=int, default=LORA_RANK, help="rank for the LoRA rows")
     parser.add_argument("--tiled-loss", choices=("on", "off"), default="on", help="as train.py: the LM loss in tiles")
     parser.add_argument(
@@ -126,7 +131,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     pretrained = not (args.model in PRESETS and PRESETS[args.model].hub_id is None)
     if args.grpo:
         grpo = GrpoTerms(args.num_generations, args.prompt_len, rows=args.generation_batch_size)
-        kw = {"completion": args.completion_len}
+        kw = {"completion": args.completion_len, "micro_batch": args.micro_batch}
         print(render_grpo(stats, args.gpus, args.gpu_mem, args.cpu_mem, grpo, args.lora_rank, **kw))
         return 0
     if args.max_seq_len:

@@ -209,10 +209,12 @@ def longest_completions(
     grpo: GrpoTerms,
     lora_rank: int = 0,
     four_bit: bool = False,
+    micro_batch: int = 1,
 ) -> list[LongestSeq]:
-    """GRPO's longest completion per preset × activation checkpointing at micro-batch 1 (``seq_len`` of each result
-    is the completion; its setup and estimate are at prompt + that completion, or + one step where none fits).
-    ``four_bit``: LoRA on a 4-bit base, whose parameter-offload presets are refused (``seq_len`` 0 there)."""
+    """GRPO's longest completion per preset × activation checkpointing at ``micro_batch`` prompt + completion rows
+    per training micro-batch (train.py's ``--micro-batch`` under GRPO: completions, as TRL's batch; ``seq_len`` of
+    each result is the completion; its setup and estimate are at prompt + that completion, or + one step where none
+    fits). ``four_bit``: LoRA on a 4-bit base, whose parameter-offload presets are refused (``seq_len`` 0 there)."""
     out = []
     savers = SaverTerms.choose(stats.arch)
     for name in PRESET_ORDER:
@@ -221,7 +223,7 @@ def longest_completions(
         for ckpt in (False, True):
             first = grpo.prompt_len + COMPLETION_STEP
             base = _micro1_setup(ds, stats, world_size, first, ckpt, lora_rank, True, savers, four_bit and not refused)
-            setup = replace(base, grpo=grpo)
+            setup = replace(base, micro_batch=micro_batch, grpo=grpo)
             n = 0 if refused else longest_completion(stats, setup, gpu_mem, cpu_mem)
             setup = replace(setup, seq_len=grpo.prompt_len + max(n, COMPLETION_STEP))
             out.append(LongestSeq(n, name, setup, estimate(stats, setup)))

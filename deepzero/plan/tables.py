@@ -282,19 +282,22 @@ def render_grpo(
     grpo: GrpoTerms,
     lora_rank: int,
     completion: int = 1024,
+    micro_batch: int = 1,
 ) -> str:
     """``--grpo``: the longest completion GRPO generates and trains per preset, full and LoRA, and at that length
     the KV cache of the rows generated together and the card's peak; and per preset the most rows one generate
-    call takes beside LoRA training at ``completion`` tokens (the generation batch train.py would use)."""
+    call takes beside LoRA training at ``completion`` tokens (the generation batch train.py would use). Training
+    holds ``micro_batch`` prompt + completion rows at a time (train.py's ``--micro-batch``: completions)."""
     gpu_mem, cpu_mem = gpu_mem_gb * GiB, cpu_mem_gb * GiB
-    full = longest_completions(stats, world_size, gpu_mem, cpu_mem, grpo)
-    lora = longest_completions(stats, world_size, gpu_mem, cpu_mem, grpo, lora_rank)
-    qlora = longest_completions(stats, world_size, gpu_mem, cpu_mem, grpo, lora_rank, four_bit=True)
+    mb = micro_batch
+    full = longest_completions(stats, world_size, gpu_mem, cpu_mem, grpo, micro_batch=mb)
+    lora = longest_completions(stats, world_size, gpu_mem, cpu_mem, grpo, lora_rank, micro_batch=mb)
+    qlora = longest_completions(stats, world_size, gpu_mem, cpu_mem, grpo, lora_rank, four_bit=True, micro_batch=mb)
     lines = [
         f"{stats.name}: GRPO's longest completion on {world_size} × {gpu_mem_gb:g} GiB, host {cpu_mem_gb:g} GiB: "
         f"{grpo.batch_rows} completion rows generated together (G {grpo.generations}), prompts of"
-        f" {grpo.prompt_len} tokens, micro-batch 1 (multiples of {COMPLETION_STEP} tokens; model context"
-        f" {stats.arch.max_positions:,})",
+        f" {grpo.prompt_len} tokens, micro-batch {micro_batch} (completions; multiples of {COMPLETION_STEP} tokens;"
+        f" model context {stats.arch.max_positions:,})",
         "",
     ]
 
