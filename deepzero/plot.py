@@ -9,8 +9,10 @@ For MoE runs (train records with ``expert_load``), two more panels: ``expert_loa
 expert) against the step, and the last log window's tokens per expert relative to the layer's mean as a heatmap,
 one row per MoE layer (1 = balanced). For preference runs (train records with ``rewards/margins``), one more
 panel: the rewards of the chosen and rejected answers, their margin and the reward accuracy, train and val. For
-GRPO runs (train records with ``timing/generation_s``), one more: each logged step's wall time split into
-generation, scoring, reference log-probs and training, stacked.
+GRPO runs (train records with TRL's ``reward``), one more: the mean reward with its std band, each reward's mean
+(``rewards/<name>/mean``), the val reward, and on its own axis ``val_pass@1`` (and ``val_cons@k``) where the run
+evaluated; and (train records with ``timing/generation_s``) each logged step's wall time split into generation,
+scoring, reference log-probs and training, stacked.
 """
 
 from __future__ import annotations
@@ -57,8 +59,9 @@ def plot(metrics: str | Path, out: str | Path | None = None) -> Path:
     import matplotlib.pyplot as plt
 
     rewards = any(r.get("kind") == "train" and "rewards/margins" in r for r in records)
+    grpo = any(r.get("kind") == "train" and "reward" in r for r in records)
     phases = [r for r in records if r.get("kind") == "train" and "timing/generation_s" in r]
-    panels = 2 + 2 * bool(loads) + rewards + bool(phases)
+    panels = 2 + 2 * bool(loads) + rewards + grpo + bool(phases)
     fig, axes = plt.subplots(1, panels, figsize=(5.25 * panels, 4), constrained_layout=True, squeeze=False)
     axes = axes[0]
     ax_loss, ax_tps = axes[0], axes[1]
@@ -82,6 +85,8 @@ def plot(metrics: str | Path, out: str | Path | None = None) -> Path:
         _expert_panels(fig, axes[2], axes[3], loads, _series(records, "train", "expert_load_imbalance"))
     if rewards:
         _reward_panel(axes[2 + 2 * bool(loads)], records)
+    if grpo:
+        grpo_reward_panel(axes[2 + 2 * bool(loads) + rewards], records)
     if phases:
         _phase_panel(axes[-1], phases)
     fig.suptitle(str(metrics.parent.name or metrics))
@@ -125,6 +130,45 @@ def _reward_panel(ax: Any, records: list[dict[str, Any]]) -> None:
     twin.set(ylabel="reward accuracy", ylim=(0, 1.05))
     handles = [h for a in (ax, twin) for h in a.get_legend_handles_labels()[0]]
     ax.legend(handles=handles, fontsize="small", loc="upper left")
+
+
+def grpo_reward_panel(ax: Any, records: list[dict[str, Any]]) -> Any:
+    """A GRPO run's rewards as TRL names them: the mean reward per log window with a band of ± its std across
+    completions (``reward``, ``reward_std``), each reward function's mean (``rewards/<name>/mean``) and the val reward
+    at each evaluation (left axis); ``val_pass@1`` and ``val_cons@k`` on a right axis of their own when the run
+    evaluated (returned; None otherwise)."""
+    steps, mean = _series(records, "train", "reward")
+    ax.plot(steps, mean, marker=".", color="k", label="reward")
+    spread = dict(zip(*_series(records, "train", "reward_std"), strict=True))
+    band = [(s, m, spread[s]) for s, m in zip(steps, mean, strict=True) if s in spread]
+    if band:
+        low = [m - sd for _, m, sd in band]
+        high = [m + sd for _, m, sd in band]
+        ax.fill_between([s for s, _, _ in band], low, high, color="gray", alpha=0.25, label="reward ± std")
+    names = sorted({k for r in records if r.get("kind") == "train" for k in r if _per_reward(k)})
+    for key in names:
+        ax.plot(*_series(records, "train", key), marker=".", linewidth=1, label=key)
+    if (val := _series(records, "eval", "val_reward"))[0]:
+        ax.plot(*val, marker="o", linestyle="--", color="k", label="val reward")
+    ax.set(xlabel="optimizer step", ylabel="reward (mean of completions)", title="GRPO rewards")
+    ax.grid(alpha=0.3)
+    scores = {k for r in records if r.get("kind") == "eval" for k in r if k.startswith(("val_pass@", "val_cons@"))}
+    scores = [k for k in sorted(scores, key=lambda k: (k != "val_pass@1", k)) if _series(records, "eval", k)[0]]
+    twin = None
+    if scores:
+        twin = ax.twinx()
+        for key, color in zip(scores, itertools.cycle(("tab:green", "tab:purple", "tab:brown", "tab:olive"))):
+            style = "-" if key == "val_pass@1" else ":"
+            twin.plot(*_series(records, "eval", key), marker="s", linestyle=style, color=color, label=key[4:])
+        twin.set(ylabel="val pass@1 / cons@k", ylim=(0, 1.05))
+    handles = [h for a in (ax, twin) if a is not None for h in a.get_legend_handles_labels()[0]]
+    ax.legend(handles=handles, fontsize="small", loc="upper left")
+    return twin
+
+
+def _per_reward(key: str) -> bool:
+    """``rewards/<name>/mean``: one reward function's mean (GRPO; a preference run's ``rewards/chosen`` is not)."""
+    return key.startswith("rewards/") and key.endswith("/mean") and key.count("/") >= 2
 
 
 PHASES = ("generation", "scoring", "reference", "train")

@@ -106,3 +106,60 @@ def test_grpo_runs_get_a_panel_of_the_steps_phases(tmp_path: Path) -> None:
     grpo.write_text("".join(json.dumps(r) + "\n" for r in lines))
     out = plot(grpo, tmp_path / "grpo.png")
     assert png_size(out)[0] > png_size(plain)[0] * 1.3
+
+
+def grpo_metrics(path: Path, evaluated: bool = True) -> Path:
+    """A GRPO run's records as train.py writes them (deepzero.losses.grpo.metrics): TRL's ``reward``,
+    ``reward_std`` and ``rewards/<name>/mean`` on the steps that generate, and at each eval ``val_reward`` and
+    ``val_pass@1`` / ``val_pass@8`` / ``val_cons@8``."""
+    lines = [json.loads(line) for line in fake_metrics(path).read_text().splitlines()]
+    for record in lines:
+        x = record["step"] / 40
+        if record["kind"] == "train" and record["step"] % 10 == 0:  # rewards where a generation batch is made
+            record |= {"reward": 0.2 + x, "reward_std": 0.3, "rewards/accuracy/mean": x, "rewards/format/mean": 0.2}
+            record |= {"rewards/accuracy/std": 0.4, "rewards/format/std": 0.1, "frac_reward_zero_std": 0.25}
+        elif record["kind"] == "eval" and evaluated:
+            record |= {"val_reward": 0.1 + x, "val_reward_std": 0.2, "val_rewards/accuracy/mean": x}
+            record |= {"val_pass@1": x / 2, "val_pass@8": x, "val_cons@8": 0.8 * x}
+    path.write_text("".join(json.dumps(r) + "\n" for r in lines))
+    return path
+
+
+def test_grpo_runs_get_a_panel_of_their_rewards_and_pass_at_1(tmp_path: Path) -> None:
+    """GRPO's train and eval records add a rewards panel (a wider PNG): the mean reward with its ± std band over the
+    steps that generated, each reward's mean, the val reward, and val pass@1 (and pass@k, cons@k) on an axis of
+    their own, from 0 to 1; a run that never evaluated draws no second axis."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    from deepzero.metrics import read_jsonl
+    from deepzero.plot import grpo_reward_panel
+
+    plain = plot(fake_metrics(tmp_path / "plain.jsonl"), tmp_path / "plain.png")
+    metrics = grpo_metrics(tmp_path / "grpo.jsonl")
+    assert png_size(plot(metrics, tmp_path / "grpo.png"))[0] > png_size(plain)[0] * 1.3
+
+    fig, ax = plt.subplots()
+    twin = grpo_reward_panel(ax, read_jsonl(metrics))
+    lines = {line.get_label(): line for line in ax.get_lines()}
+    assert set(lines) == {"reward", "rewards/accuracy/mean", "rewards/format/mean", "val reward"}
+    assert list(lines["reward"].get_xdata()) == [10, 20, 30, 40]  # only the steps that generated
+    assert list(lines["reward"].get_ydata()) == pytest.approx([0.45, 0.7, 0.95, 1.2])
+    assert list(lines["val reward"].get_xdata()) == [20, 40]
+    (band,) = ax.collections  # reward ± reward_std
+    assert band.get_label() == "reward ± std"
+    ys = band.get_paths()[0].vertices[:, 1]
+    assert min(ys) == pytest.approx(0.45 - 0.3) and max(ys) == pytest.approx(1.2 + 0.3)
+    scores = {line.get_label(): line for line in twin.get_lines()}
+    assert list(scores) == ["pass@1", "cons@8", "pass@8"]
+    assert list(scores["pass@1"].get_ydata()) == pytest.approx([0.25, 0.5])
+    assert twin.get_ylim() == (0, 1.05)
+    assert set(ax.get_legend_handles_labels()[1]) <= {t.get_text() for t in ax.get_legend().get_texts()}
+    plt.close(fig)
+
+    fig, ax = plt.subplots()
+    assert grpo_reward_panel(ax, read_jsonl(grpo_metrics(tmp_path / "noeval.jsonl", evaluated=False))) is None
+    assert "val reward" not in {line.get_label() for line in ax.get_lines()}
+    plt.close(fig)
