@@ -79,7 +79,8 @@ class TrainArgs:
         default=None,
         **_help(
             "Replace the preset's LR scheduler (warm-up kept): constant (WarmupLR), cosine (WarmupCosineLR, down to"
-            " 0.1 × the peak at --max-steps) or linear (WarmupDecayLR, down to 0). Fine-tuning: cosine."
+            " 0.1 × the peak at --max-steps) or linear (WarmupDecayLR, down to 0). Default: cosine for a fine-tune"
+            " of a checkpoint whose preset says WarmupLR, else the preset's (docs/schedules.md)."
         ),
     )
     micro_batch: int | None = field(default=None, **_help("Override train_micro_batch_size_per_gpu."))
@@ -401,8 +402,9 @@ def generation_kwargs(text: str | None) -> dict[str, Any]:
 _KWARGS_EXAMPLE = """pass an object, e.g. '{"no_repeat_ngram_size": 3}'"""
 
 
-def recipe_argv(argv: list[str]) -> list[str]:
-    """The flags a ``--config FILE`` in ``argv`` stands for (none without one); unknown keys are one line."""
+def recipe_argv(argv: list[str], flags: type = TrainArgs, program: str = "train.py") -> list[str]:
+    """The flags a ``--config FILE`` in ``argv`` stands for (none without one), keys checked against the dataclass
+    ``flags`` (train.py's :class:`TrainArgs`, evaluate.py's ``JobArgs``); an unknown key is one line."""
     path = next((a.split("=", 1)[1] for a in argv if a.startswith("--config=")), None)
     if path is None and "--config" in argv[:-1]:
         path = argv[argv.index("--config") + 1]
@@ -422,14 +424,14 @@ def recipe_argv(argv: list[str]) -> list[str]:
         raise UserError(path, f"is not valid YAML/JSON ({str(err).splitlines()[0]})", "fix the file") from None
     if not isinstance(values, dict):
         raise UserError(path, "is not a mapping of flags", "write key: value lines (see recipes/)")
-    known = {f.name for f in fields(TrainArgs)} - {"config"}
+    known = {f.name for f in fields(flags)} - {"config"}
     out = []
     for key, value in values.items():
         name = str(key).replace("-", "_")
         if name not in known:
             close = difflib.get_close_matches(name, sorted(known), n=1)
             raise UserError(
-                path, f"unknown key '{key}'", f"did you mean '{close[0]}'?" if close else "see python train.py --help"
+                path, f"unknown key '{key}'", f"did you mean '{close[0]}'?" if close else f"see python {program} --help"
             )
         if value is None:
             continue

@@ -4,10 +4,11 @@ from __future__ import annotations
 
 import argparse
 import math
+import sys
 from dataclasses import asdict, dataclass, field
 from typing import Any, Literal
 
-from deepzero.args import _help, generation_kwargs
+from deepzero.args import _help, generation_kwargs, recipe_argv
 from deepzero.errors import UserError
 from deepzero.rollout.generation import PROTOCOLS
 
@@ -24,6 +25,13 @@ class JobArgs:
 
     model: str = field(metadata={"help": "A pretrained folder (save_pretrained) or hub id."})
     out: str = field(metadata={"help": "evaluate: a folder; sample: the chat JSONL file to write."})
+    config: str | None = field(
+        default=None,
+        **_help(
+            "A recipe: a YAML or JSON mapping of these flags (recipes/*-evaluate-*.yaml; keys as the flags, - or _);"
+            " flags given on the command line override it, unknown keys are refused (as train.py's --config)."
+        ),
+    )
     data: str | None = field(
         default=None,
         **_help(
@@ -145,6 +153,8 @@ def parse_job_args(argv: list[str] | None, program: str) -> JobArgs:
     """The command line as :class:`JobArgs`; every problem is one line naming the flag."""
     from transformers import HfArgumentParser
 
+    argv = list(sys.argv[1:] if argv is None else argv)
+    argv = [*recipe_argv(argv, JobArgs, program), *argv]  # the recipe's values first: the command line's win
     parser = HfArgumentParser(JobArgs, prog=program)
 
     def error(message: str) -> None:
