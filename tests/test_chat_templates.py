@@ -226,8 +226,36 @@ def test_a_template_flag_on_other_data_is_one_line(r1: dict, tmp_path: Path) -> 
         prepare([str(tmp_path / "t.txt")], tmp_path / "a", prompt_template="r1-math", **common)
     with pytest.raises(UserError, match="--chat-template: applies to chat data"):
         prepare([str(tmp_path / "t.txt")], tmp_path / "b", chat_template="r1-distill-training", **common)
-    with pytest.raises(UserError, match="--chat-template: applies to chat data, not --format prompts"):
+    with pytest.raises(UserError, match="--chat-template: applies to chat and preference data, not --format prompts"):
         prepare([str(tmp_path / "p.jsonl")], tmp_path / "c", fmt="prompts", chat_template="r1-distill", **common)
     with pytest.raises(UserError, match="--prompt-template no placeholder: is neither"):
         prepare([str(tmp_path / "p.jsonl")], tmp_path / "d", fmt="prompts", prompt_template="no placeholder",
                 skip_bad=True, max_completion_length=32, **common)  # fmt: skip
+
+
+def test_preference_pairs_keep_both_answers_reasoning_and_a_template_that_drops_it_is_one_line(
+    r1: dict, tmp_path: Path
+) -> None:
+    """DPO pairs of reasoning traces on an R1-Distill folder render with TRL's training variant: each answer's
+    reasoning is in its targets, the prompt (ending in the shipped prefill) is not. The V3 template, whose training
+    variant still drops the reasoning, stops in one line naming --chat-template; with it the pairs prepare."""
+    pairs = [
+        {"prompt": f"What is {i} plus {i}?", "chosen": f"<think>\nAdd {i} to {i}.\n</think>\n\n{2 * i}",
+         "rejected": f"<think>\nGuess {i}.\n</think>\n\n{2 * i + 1}"}
+        for i in range(6)
+    ]  # fmt: skip
+    (tmp_path / "pairs.jsonl").write_text("".join(json.dumps(p) + "\n" for p in pairs))
+    common = {"seq_len": 128, "val_fraction": 0.3, "fmt": "preference"}
+    meta = prepare([str(tmp_path / "pairs.jsonl")], tmp_path / "r1", tokenizer=str(r1["model"]), **common)
+    assert meta["chat_template"]["source"].startswith("r1-distill-training")
+    tok = AutoTokenizer.from_pretrained(r1["model"])
+    pieces = sorted(target_texts(tmp_path / "r1", tok))
+    want = sorted(f"{p[k].removeprefix('<think>')}<｜end▁of▁sentence｜>" for p in pairs for k in ("chosen", "rejected"))
+    assert [p.lstrip("\n") for p in pieces] == [w.lstrip("\n") for w in want], pieces[:2]
+    assert not any("What is" in p for p in pieces)
+    v3 = model_folder(tmp_path / "v3", deepseekv3_chat_template)
+    with pytest.raises(UserError, match=r"drops the answer's reasoning up to </think>.*--chat-template r1-distill-tra"):
+        prepare([str(tmp_path / "pairs.jsonl")], tmp_path / "v3-data", tokenizer=str(v3), **common)
+    fixed = prepare([str(tmp_path / "pairs.jsonl")], tmp_path / "v3-fixed", tokenizer=str(v3),
+                    chat_template="r1-distill-training", **common)  # fmt: skip
+    assert fixed["chat_template"]["source"] == "--chat-template r1-distill-training"

@@ -165,6 +165,46 @@ def chat_renderer(tok: PreTrainedTokenizerBase, name: str, override: str | None 
     return renderer
 
 
+@dataclass(frozen=True)
+class PairTemplate:
+    """The template preference pairs render with (None: the tokenizer's own, as TRL's ``DPOTrainer``)."""
+
+    template: str | None
+    source: str
+    strips_reasoning: bool
+    """The tokenizer's own template drops assistant reasoning: a prompt's earlier turns are shown without it."""
+
+    def prompt_view(self, chat: Chat) -> Chat:
+        """A pair's prompt as the model sees it at inference (earlier assistant turns after their ``</think>``)."""
+        return [_as_at_inference(m) if m["role"] == "assistant" else m for m in chat] if self.strips_reasoning else chat
+
+    def check_answer(self, answer: Chat, rendered: str, where: str) -> None:
+        """One line when the rendering lost the answer's reasoning (a template that drops it)."""
+        content = answer[-1]["content"]
+        reasoning = content.rpartition(THINK_END)[0].replace("<think>", "").strip()
+        if reasoning and reasoning not in rendered:
+            raise UserError(
+                where,
+                f"the chat template ({self.source}) drops the answer's reasoning up to {THINK_END}"
+                f" ({len(reasoning)} characters), so it would not be trained",
+                "pass --chat-template r1-distill-training (DeepSeek's layout, reasoning kept) or a Jinja FILE",
+            )
+
+
+def pair_template(tok: PreTrainedTokenizerBase, override: str | None = None) -> PairTemplate:
+    """How preference pairs render: ``override``; else, where the tokenizer's own template drops assistant reasoning
+    (DeepSeek's R1-Distill), TRL's training variant when it keeps it; else the tokenizer's own, as TRL does."""
+    shipped = _shipped(tok)
+    strips = bool(shipped) and _drops_reasoning(tok, shipped)
+    if override:
+        return PairTemplate(_named_or_file(override), f"--chat-template {override}", strips)
+    if strips:
+        variant, source = _training_variant(tok, shipped)
+        if variant != shipped and not _drops_reasoning(tok, variant):
+            return PairTemplate(variant, source, strips)
+    return PairTemplate(None, "the tokenizer's own", strips)
+
+
 def _shipped(tok: PreTrainedTokenizerBase) -> str:
     template = getattr(tok, "chat_template", None)
     return template["default"] if isinstance(template, dict) else template

@@ -32,7 +32,7 @@ from jinja2.exceptions import TemplateError
 from torch.utils.data import default_collate
 from transformers import PreTrainedTokenizerBase
 
-from deepzero.data.chat_render import refused
+from deepzero.data.chat_render import PairTemplate, pair_template, refused
 from deepzero.data.dataset import MASK_START, MASK_TARGET, PackedDataset, meta_header
 from deepzero.data.sources import Chat, input_files, iter_records
 from deepzero.data.tokenizer import identity, train_tokenizer_from_texts
@@ -135,10 +135,14 @@ def _turns(value: Any, role: str, name: str, where: str) -> Chat:
 
 
 class PairEncoder:
-    """Token ids and target masks of a pair's two sequences, as TRL's ``DPOTrainer`` tokenizes conversations."""
+    """Token ids and target masks of a pair's two sequences, as TRL's ``DPOTrainer`` tokenizes conversations (with
+    ``template``'s choice of chat template: an R1-Distill tokenizer's training variant keeps the reasoning)."""
 
-    def __init__(self, tok: PreTrainedTokenizerBase, name: str, prefix: tuple[int, ...]) -> None:
+    def __init__(
+        self, tok: PreTrainedTokenizerBase, name: str, prefix: tuple[int, ...], template: PairTemplate | None = None
+    ) -> None:
         self.tok, self.name, self.prefix = tok, name, prefix
+        self.template = template or PairTemplate(None, "the tokenizer's own", False)
 
     def ids(self, messages: Chat, add_generation_prompt: bool = False) -> list[int]:
         """The rendered conversation's ids, the tokenizer's prefix first unless the template wrote it."""
@@ -147,7 +151,12 @@ class PairEncoder:
     def render(self, messages: Chat, add_generation_prompt: bool = False) -> str:
         """The conversation as the chat template writes it; a template's refusal is one line naming the tokenizer."""
         try:
-            return self.tok.apply_chat_template(messages, tokenize=False, add_generation_prompt=add_generation_prompt)
+            return self.tok.apply_chat_template(
+                messages,
+                chat_template=self.template.template,
+                tokenize=False,
+                add_generation_prompt=add_generation_prompt,
+            )
         except TemplateError as err:
             raise refused(self.name, err) from None
 
@@ -161,8 +170,13 @@ class PairEncoder:
     def encode(self, pair: Pair) -> tuple[tuple[np.ndarray, np.ndarray], tuple[np.ndarray, np.ndarray]]:
         """``(ids, mask)`` of prompt + chosen and of prompt + rejected: mask bit 0 on the answer's tokens (those after
         the prompt's longest common prefix with both), bit 1 on the first token."""
-        prompt = self.ids(pair.prompt, add_generation_prompt=True) if pair.prompt else list(self.prefix)
-        sequences = [self.ids(pair.prompt + answer) for answer in (pair.chosen, pair.rejected)]
+        context = self.template.prompt_view(pair.prompt)
+        prompt = self.ids(context, add_generation_prompt=True) if context else list(self.prefix)
+        sequences = []
+        for answer in (pair.chosen, pair.rejected):
+            text = self.render(context + answer)
+            self.template.check_answer(answer, text, pair.where)
+            sequences.append(self.tokens(text))
         start = min(_common_prefix(prompt, seq) for seq in sequences)
         out = []
         for seq in sequences:
@@ -193,9 +207,11 @@ def prepare_pairs(
     fingerprint: str,
     val_inputs: Sequence[str] = (),
     columns: dict[str, str] | None = None,
+    chat_template: str | None = None,
 ) -> dict[str, Any]:
     """Write ``out`` (rows in pairs, see the module docstring) and return its meta.json contents. With ``val_inputs``
-    (``--val-input``) val is their pairs and train every pair of ``inputs``; else a pair's hash decides."""
+    (``--val-input``) val is their pairs and train every pair of ``inputs``; else a pair's hash decides.
+    ``chat_template`` (``--chat-template``): a named template or a file, else :func:`pair_template`'s choice."""
 
     start = time.perf_counter()
     bad = BadInput(skip_bad)
@@ -219,7 +235,8 @@ def prepare_pairs(
         else:
             tok_ref = tokenizer_ref(tokenizer, out, tmp)
         check_tokenizer(tok, tokenizer, chat=True)
-        encoder = PairEncoder(tok, tokenizer, doc_prefix(tok))
+        template = pair_template(tok, chat_template)
+        encoder = PairEncoder(tok, tokenizer, doc_prefix(tok), template)
         pad = tok.pad_token_id if tok.pad_token_id is not None else tok.eos_token_id
         row_len = seq_len + 1
         rows: dict[str, list[tuple[np.ndarray, np.ndarray]]] = {"train": [], "val": []}
@@ -273,6 +290,7 @@ def prepare_pairs(
             "shards": shards,
             "mask_bits": {"target": MASK_TARGET, "doc_start": MASK_START},
             "rows": "pair i = rows 2i (chosen) and 2i + 1 (rejected), each right-padded",
+            "chat_template": {"source": template.source},
             **Provenance(
                 tok_ref, inputs, val_inputs, columns, val_fraction, seed, fingerprint, start, identity(tok)
             ).meta(bad),
@@ -282,8 +300,8 @@ def prepare_pairs(
         shutil.rmtree(tmp, ignore_errors=True)
     print(
         f"prepare: wrote {out}: {n_pairs['train']:,} train / {n_pairs['val']:,} val pairs in rows of {row_len} tokens"
-        f" ({targets['train']:,} train answer tokens); {bad.count} bad record(s) skipped"
-        + "".join(f"\n  skipped   {line}" for line in bad.listed)
+        f" ({targets['train']:,} train answer tokens); chat template: {template.source};"
+        f" {bad.count} bad record(s) skipped" + "".join(f"\n  skipped   {line}" for line in bad.listed)
     )
     return meta
 
