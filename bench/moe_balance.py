@@ -81,13 +81,14 @@ def cpu_env() -> dict[str, str]:
 def train_args(
     model: Path, data: Path, out: Path, steps: int, log_interval: int, *extra: str, micro: int = 4
 ) -> list[str]:
-    """train.py flags of every mode: fp32 ZeRO-2, one process, micro 4 × accumulation 2, no eval/save/export
+    """train.py flags of every mode: fp32 ZeRO-2, one process, micro 4 × accumulation 2, a constant lr after the
+    warm-up (a resume to more steps keeps the curve), no eval/save/export
     (flags given in ``extra`` come last and win)."""
     return [
         "--model", str(model), "--data", str(data), "--out", str(out), "--deepspeed_config", "ds_configs/zero2.json",
         "--ds", "fp16.enabled=false", "--max-steps", str(steps), "--log-interval", str(log_interval),
         "--micro-batch", str(micro), "--grad-accum", "2", "--lr", "5e-4", "--warmup-steps", "5", "--seed", "1",
-        "--eval-interval", "0", "--save-interval", "0", "--no-export", *extra,
+        "--lr-schedule", "constant", "--eval-interval", "0", "--save-interval", "0", "--no-export", *extra,
     ]  # fmt: skip
 
 

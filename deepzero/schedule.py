@@ -5,6 +5,11 @@ lr of a LoRA run, and the one-line warning when a schedule never reaches its pea
   preference pairs) or, for GRPO, global batch ÷ ``--num-generations`` prompts (TRL counts a GRPO batch in
   completions). It replaces ``--max-steps``.
 - ``--warmup-ratio R``: ceil(R × steps) warm-up steps, as Transformers' ``TrainingArguments.get_warmup_steps``.
+- A fine-tune of a checkpoint (anything but a random-init preset) whose preset schedules ``WarmupLR`` (constant after
+  the warm-up, as the shipped presets do) decays by cosine to 0.1 × the peak at the last step
+  (:data:`FINETUNE_SCHEDULE`), as TRL's and Transformers' fine-tunes decay (theirs linearly to 0 by default);
+  ``--lr-schedule constant`` keeps the preset's. A decaying scheduler written in the preset is kept, and so is
+  ``WarmupLR`` when its warm-up fills the run (which :func:`never_peaks` reports).
 - LoRA: ``"lr": "auto"`` is 2e-4 for SFT, pre-training and preference tuning (the QLoRA paper's and TRL's LoRA
   examples' lr for 7B-70B) and 1e-5 for GRPO (TRL's "LoRA without regret" guide: about ten times the full fine-tune's
   1e-6); a full fine-tune of a checkpoint keeps 3e-5 (GRPO: TRL's 1e-6).
@@ -22,6 +27,8 @@ from deepzero.args import TrainArgs
 from deepzero.dsconfig import ResolvedConfig, TrainingHints
 from deepzero.errors import UserError
 
+FINETUNE_SCHEDULE = "cosine"
+"""What a fine-tune's ``WarmupLR`` preset becomes unless ``--lr-schedule`` says otherwise."""
 LORA_LR = 2e-4
 LORA_GRPO_LR = 1e-5
 
@@ -69,19 +76,37 @@ def resolve_steps(
     meta: dict[str, Any],
     num_generations: int | None,
     resolve: Callable[[TrainingHints], ResolvedConfig],
+    fine_tune: bool = False,
 ) -> tuple[ResolvedConfig, int]:
     """The config ``resolve(hints)`` gives for the run's steps, and those steps. With ``--epochs`` or
     ``--warmup-ratio`` the steps need the global batch, so the config is resolved twice: first for the batch alone (no
-    schedule to check against a step count not yet known), then with the steps and warm-up."""
-    if args.epochs is None and args.warmup_ratio is None:
-        return resolve(hints), hints.max_steps
-    batch = resolve(dataclasses.replace(hints, max_steps=2**31 - 1)).batch
-    planned = steps(
-        hints.max_steps, args.warmup_steps, args.epochs, args.warmup_ratio, meta, batch.global_batch, num_generations
-    )
-    warmup = planned.warmup_steps or hints.warmup_steps  # a random-init preset's own warm-up, unless a ratio
-    hints = dataclasses.replace(hints, max_steps=planned.max_steps, warmup_steps=warmup)
-    return resolve(hints), planned.max_steps
+    schedule to check against a step count not yet known), then with the steps and warm-up. A ``fine_tune`` of a
+    ``WarmupLR`` preset without ``--lr-schedule`` is resolved once more with :data:`FINETUNE_SCHEDULE` (unless its
+    warm-up fills the run: :func:`never_peaks` then warns)."""
+    max_steps = hints.max_steps
+    if args.epochs is not None or args.warmup_ratio is not None:
+        batch = resolve(dataclasses.replace(hints, max_steps=2**31 - 1)).batch
+        planned = steps(
+            hints.max_steps,
+            args.warmup_steps,
+            args.epochs,
+            args.warmup_ratio,
+            meta,
+            batch.global_batch,
+            num_generations,
+        )
+        warmup = planned.warmup_steps or hints.warmup_steps  # a random-init preset's own warm-up, unless a ratio
+        hints = dataclasses.replace(hints, max_steps=planned.max_steps, warmup_steps=warmup)
+        max_steps = planned.max_steps
+    cfg = resolve(hints)
+    scheduler = cfg.ds.get("scheduler") or {}
+    warmup = scheduler.get("params", {}).get("warmup_num_steps", 0)
+    room = not isinstance(warmup, int) or warmup < max_steps  # else never_peaks says so
+    if fine_tune and args.lr_schedule is None and scheduler.get("type") == "WarmupLR" and room:
+        cfg = resolve(dataclasses.replace(hints, lr_schedule=FINETUNE_SCHEDULE))
+        why = f"{FINETUNE_SCHEDULE} decay, the fine-tuning default (--lr-schedule constant keeps the preset's WarmupLR)"
+        cfg = dataclasses.replace(cfg, lr_source=f"{cfg.lr_source}; {why}")
+    return cfg, max_steps
 
 
 def never_peaks(scheduler: dict[str, Any] | None, max_steps: int) -> str | None:

@@ -55,6 +55,27 @@ def test_lora_s_auto_lr_is_lora_s(tiny_data: Path, tmp_path: Path) -> None:
     assert lora.cfg.ds["optimizer"]["params"]["lr"] == 2e-4 and "LoRA" in lora.lr_source
 
 
+def test_a_fine_tune_decays_by_cosine_unless_told_and_a_random_init_preset_keeps_its_schedule(
+    tiny_data: Path, tmp_path: Path
+) -> None:
+    """The shipped presets' WarmupLR never decays: a fine-tune of a checkpoint gets cosine to 0.1 x the peak at its
+    last step (the header's lr line says why); --lr-schedule constant keeps WarmupLR; a random-init preset keeps it."""
+    base = tmp_path / "base"
+    get_preset("tiny-deepseek-v3").config().save_pretrained(base)
+    common = ["--model", str(base), "--allow-tokenizer-change", "--max-steps", "40", "--warmup-ratio", "0.1"]
+    tune = planned(tiny_data, tmp_path, *common)
+    assert tune.cfg.ds["scheduler"]["type"] == "WarmupCosineLR"
+    assert scheduler(tune)["total_num_steps"] == 40 and scheduler(tune)["cos_min_ratio"] == 0.1
+    assert "cosine decay, the fine-tuning default (--lr-schedule constant keeps" in tune.cfg.lr_source
+    kept = planned(tiny_data, tmp_path, *common, "--lr-schedule", "constant")
+    assert kept.cfg.ds["scheduler"]["type"] == "WarmupLR" and "cosine" not in kept.cfg.lr_source
+    linear = planned(tiny_data, tmp_path, *common, "--ds", "scheduler.type=WarmupDecayLR",
+                     "--ds", "scheduler.params.total_num_steps=auto")  # fmt: skip
+    assert linear.cfg.ds["scheduler"]["type"] == "WarmupDecayLR"  # a decay the preset asks for is kept
+    scratch = planned(tiny_data, tmp_path, "--max-steps", "40")
+    assert scratch.cfg.ds["scheduler"]["type"] == "WarmupLR"
+
+
 @pytest.mark.parametrize(
     "extra, key",
     [(["--epochs", "0"], "--epochs"), (["--warmup-ratio", "1.5"], "--warmup-ratio"),
