@@ -3,11 +3,11 @@
     python -m bench.checkpoint_io                          # under runs/bench_ckpt (the disk runs are written to)
     python -m bench.checkpoint_io --dir /scratch/ckpt --sizes-mb 23 256 1024 --reps 3 --sigterm-tiny-s 2.1
 
-1. Write speed: ``checkpoint.measure_write_speed`` (256 MiB, fsynced) in ``--dir``.
+1. Write speed: ``checkpoint_storage.measure_write_speed`` (256 MiB, fsynced) in ``--dir``.
 2. fsync cost: ``checkpoint.save`` through a stand-in engine that writes ``--ranks`` files of ``size / ranks``
    bytes each (DeepSpeed's ``torch.save`` of one tensor per rank), once as it is (fsync of every file and folder
    before ``latest`` changes) and once with the fsyncs patched out; medians over ``--reps``, ABAB order.
-3. Prediction: for every named preset, the checkpoint bytes (``checkpoint.checkpoint_bytes`` from
+3. Prediction: for every named preset, the checkpoint bytes (``checkpoint_storage.checkpoint_bytes`` from
    ``plan.model_stats``: 16-bit weights + 12 B of fp32 master and Adam moments per parameter) and the time from
    SIGTERM to a committed checkpoint on one node at the measured speed (``preemption.predicted_stop_seconds``,
    steps of ``--step-s``), against the launcher's 30 s grace.
@@ -29,7 +29,7 @@ from unittest import mock
 
 import torch
 
-from deepzero import checkpoint, preemption
+from deepzero import checkpoint, checkpoint_storage, preemption
 
 RESULTS = Path(__file__).resolve().parent / "results" / "checkpoint_io.json"
 
@@ -93,7 +93,7 @@ def predictions(speed: float, step_s: float) -> list[dict]:
     rows = []
     for name, preset in sorted(PRESETS.items()):
         params = model_stats(preset.config(), name).total
-        size = checkpoint.checkpoint_bytes(params, params, 2)
+        size = checkpoint_storage.checkpoint_bytes(params, params, 2)
         need = preemption.predicted_stop_seconds(size, speed, step_s)
         rows.append(
             {
@@ -117,7 +117,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     parser.add_argument("--step-s", type=float, default=1.0, help="optimizer step time for the prediction")
     parser.add_argument("--sigterm-tiny-s", type=float, help="measured SIGTERM → commit of the tiny model")
     args = parser.parse_args(argv)
-    speed = statistics.median(checkpoint.measure_write_speed(args.dir, 256 << 20) for _ in range(args.reps))
+    speed = statistics.median(checkpoint_storage.measure_write_speed(args.dir, 256 << 20) for _ in range(args.reps))
     print(f"write speed (fsynced) under {args.dir}: {speed / 1e6:.0f} MB/s")
     result = {
         "machine": platform.node(),

@@ -4,7 +4,8 @@
 ``compute_module_sizes``, and cuts the decoder layers into contiguous runs, one per card, so that the
 fullest card (relative to its budget) is as empty as possible. The embedding goes on the first card,
 the final norm and lm_head on the last, and a decoder layer is never split. The resulting
-``Placement.device_map`` can be passed to ``from_pretrained(device_map=...)`` or to ``apply_placement``.
+``Placement.device_map`` can be passed to ``from_pretrained(device_map=...)`` or to
+``deepzero.placement_hooks.apply_placement``.
 
 Run ``python -m deepzero.placement --model deepseek-coder-1.3b --gpus 3 --gpu-mem 24 --training``
 to print the table.
@@ -405,61 +406,9 @@ def format_placement(placement: Placement) -> str:
     return "\n".join([title, *lines])
 
 
-def _to_device(obj: Any, device: torch.device) -> Any:
-    """Move tensors inside (nested) tuples, lists and dicts to ``device``; leave everything else (caches) alone."""
-    if isinstance(obj, torch.Tensor):
-        return obj.to(device)
-    if isinstance(obj, tuple):
-        moved = [_to_device(o, device) for o in obj]
-        return type(obj)(*moved) if hasattr(obj, "_fields") else tuple(moved)
-    if isinstance(obj, list):
-        return [_to_device(o, device) for o in obj]
-    if isinstance(obj, dict):
-        return {k: _to_device(v, device) for k, v in obj.items()}
-    return obj
-
-
 def torch_device(device: Device) -> torch.device:
     """A device_map value as a torch.device: an int is a CUDA ordinal, as in accelerate's device_map."""
     return torch.device("cuda", device) if isinstance(device, int) else torch.device(device)
-
-
-def apply_placement(model: nn.Module, placement: Placement) -> nn.Module:
-    """Move an already-built model's modules per ``placement.device_map`` and make forward cross the cards.
-
-    Each mapped module is moved with ``.to(device)`` (parameters keep their identity, so an optimizer built
-    before or after still holds the live tensors) and gets a forward pre-hook that moves its tensor inputs to
-    its device. Autograd carries gradients back across devices, so forward → ``loss.backward()`` →
-    ``optimizer.step()`` and ``generate`` work unchanged. Works with repeated "cpu" devices (tests).
-    Applying again replaces the previous hooks.
-    """
-    missing = sorted(
-        {
-            name
-            for name, _ in [*model.named_parameters(), *model.named_buffers()]
-            if not any(name == key or name.startswith(key + ".") for key in placement.device_map)
-        }
-    )
-    if missing:
-        raise UserError(
-            "apply_placement",
-            f"{len(missing)} tensors not in the device_map (e.g. {missing[0]})",
-            "plan from this model's config",
-        )
-    for handle in getattr(model, "_deepzero_placement_hooks", []):
-        handle.remove()
-    handles = []
-    for name, device in placement.device_map.items():
-        module, target = model.get_submodule(name), torch_device(device)
-        module.to(target)
-
-        def pre_hook(_mod: nn.Module, args: tuple, kwargs: dict, target: torch.device = target) -> tuple[tuple, dict]:
-            return _to_device(args, target), _to_device(kwargs, target)
-
-        handles.append(module.register_forward_pre_hook(pre_hook, with_kwargs=True))
-    model._deepzero_placement_hooks = handles
-    model.hf_device_map = dict(placement.device_map)
-    return model
 
 
 def _parse_max_memory(text: str) -> dict[int, str]:

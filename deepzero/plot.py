@@ -172,7 +172,7 @@ def _per_reward(key: str) -> bool:
 
 
 PHASES = ("generation", "scoring", "reference", "train")
-"""GRPO's step phases (``timing/<phase>_s``, deepzero.losses.grpo.PhaseTimer and the rest of the step)."""
+"""GRPO's step phases (``timing/<phase>_s``, deepzero.losses.grpo.metrics.PhaseTimer and the rest of the step)."""
 
 
 def _phase_panel(ax: Any, records: list[dict[str, Any]]) -> None:

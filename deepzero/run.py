@@ -20,6 +20,7 @@ from torch import nn
 
 from deepzero import (
     checkpoint,
+    checkpoint_storage,
     dsconfig,
     engines,
     methods,
@@ -36,6 +37,7 @@ from deepzero.adapters import quant
 from deepzero.adapters.lora import LoraSpec, check_moe_targets, check_same_adapters
 from deepzero.args import TrainArgs
 from deepzero.data import PackedDataset, check_enough_rows, load_meta, open_split
+from deepzero.data.tokenizer import check_data_tokenizer, plan_tokenizer
 from deepzero.distributed import init_distributed
 from deepzero.engines import EngineSettings, TrainEngine
 from deepzero.engines.zero import local_values
@@ -71,7 +73,7 @@ class RunPlan:
     preference: PreferenceSettings | None = None
     """The preference loss of a preference data folder (None: the LM loss)."""
     grpo: Any = None
-    """GRPO's settings for a prompts data folder (``deepzero.losses.grpo.GRPOSettings``; None: no GRPO)."""
+    """GRPO's settings for a prompts data folder (``deepzero.losses.grpo.settings.GRPOSettings``; None: no GRPO)."""
     rewards: Any = None
     """GRPO's rewards (``deepzero.rollout.rewards.RewardSet``), parsed and imported at plan time."""
     four_bit: quant.FourBit | None = None
@@ -163,7 +165,7 @@ def plan_run(args: TrainArgs, world: int) -> RunPlan:
     resolve = partial(dsconfig.resolve, args.deepspeed_config, settings.dp_size(world), overrides=overrides,
                       precision=args.precision)  # fmt: skip
     generations = grpo.num_generations if grpo else None
-    cfg, args.max_steps = schedule.resolve_steps(args, hints, meta, generations, resolve)  # what the loop runs
+    cfg, args.max_steps = schedule.resolve_steps(args, hints, meta, generations, resolve, not from_scratch)
     if warning := schedule.never_peaks(cfg.ds.get("scheduler"), args.max_steps):
         warn(warning)
     settings.check_batch(cfg.batch)
@@ -255,79 +257,6 @@ def plan_four_bit(
     )
 
 
-def plan_tokenizer(args: TrainArgs, meta: dict[str, Any]) -> Any:
-    """--tokenizer, else the one the data was prepared with, else --model's; it must cover the data's token ids."""
-    if args.tokenizer:
-        spec, where = args.tokenizer, f"--tokenizer {args.tokenizer}"
-    elif meta.get("tokenizer"):
-        spec, where = meta["tokenizer"], f"{args.data}/meta.json 'tokenizer'"
-    else:
-        spec, where = args.model, f"--model {args.model} (its tokenizer: {args.data}/meta.json names none)"
-    vocab = meta.get("vocab_size")
-    if vocab is not None and not (isinstance(vocab, int) and not isinstance(vocab, bool) and vocab > 0):
-        raise UserError(
-            f"{args.data}/meta.json",
-            f"'vocab_size' must be a positive integer, got {vocab!r}",
-            "re-run data/prepare.py",
-        )
-    tokenizer = modeling.load_tokenizer(spec, args.trust_remote_code, where)
-    if (vocab or 0) > len(tokenizer):
-        raise UserError(
-            f"{args.data}/meta.json",
-            f"token ids go up to vocab_size {meta['vocab_size']} but the tokenizer ({where}) has {len(tokenizer)}",
-            "pass --tokenizer <the one the data was prepared with>, or re-run data/prepare.py with this tokenizer",
-        )
-    return tokenizer
-
-
-def check_data_tokenizer(args: TrainArgs, meta: dict[str, Any], source: modeling.ModelSource) -> None:
-    """One line when the data's ids come from another tokenizer than the pretrained model's own (its vocabulary and
-    special ids differ: the model would read each id as another token). Nothing to compare with a random-init
-    preset, a model folder without a tokenizer, or data prepared before meta.json recorded its tokenizer."""
-    saved = meta.get("tokenizer_identity")
-    if saved is None or source.random_init or args.allow_tokenizer_change:
-        return
-    assert source.pretrained is not None
-    try:
-        own = load_tokenizer_identity(source.pretrained, args.trust_remote_code, saved["tokens"])
-    except (OSError, ValueError):
-        return
-    if own["fingerprint"] != saved["fingerprint"]:
-        raise UserError(
-            f"{args.data}/meta.json",
-            f"the data was prepared with tokenizer {saved['name'] or '?'} ({saved['tokens']:,} tokens, fingerprint"
-            f" {saved['fingerprint']}), not --model {args.model}'s own ({own['tokens']:,} tokens, {own['fingerprint']}):"
-            " its ids would mean other tokens",
-            f"re-run data/prepare.py with --tokenizer {source.pretrained}, or pass --allow-tokenizer-change to train on"
-            " them anyway",
-        )
-
-
-TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "tokenizer.model", "vocab.json")
-"""A model source holds a tokenizer of its own when it has one of these."""
-
-
-def load_tokenizer_identity(spec: str, trust_remote_code: bool, tokens: int) -> dict[str, Any]:
-    """The identity of ``spec``'s own tokenizer over the first ``tokens`` ids (``deepzero.data.tokenizer.identity``):
-    its size is its whole vocabulary's, so a smaller one than the data's differs."""
-    from transformers import AutoTokenizer
-    from transformers.utils import cached_file
-
-    from deepzero.data.tokenizer import identity
-
-    def has_tokenizer(local_files_only: bool) -> bool:
-        return any(
-            cached_file(spec, f, local_files_only=local_files_only, _raise_exceptions_for_missing_entries=False)
-            for f in TOKENIZER_FILES
-        )
-
-    local = has_tokenizer(local_files_only=True)  # a folder, or the hub cache: no request at all
-    if not local and not has_tokenizer(local_files_only=False):
-        raise OSError(f"{spec} has no tokenizer of its own")  # Transformers would build an empty one
-    tok = AutoTokenizer.from_pretrained(spec, trust_remote_code=trust_remote_code, local_files_only=local)
-    return identity(tok, min(tokens, len(tok))) | {"tokens": len(tok)}
-
-
 def check_disk(args: TrainArgs, config: Any, precision: str, four_bit: bool = False) -> None:
     """Free space for ``keep_last`` checkpoints and the export (one error line when not even one fits, else a
     warning), and on rank 0 whether a SIGTERM save can finish within the launcher's grace (docs/reliability.md)."""
@@ -335,16 +264,16 @@ def check_disk(args: TrainArgs, config: Any, precision: str, four_bit: bool = Fa
     param_bytes = 4 if precision == "fp32" else 2
     trainable = 0 if args.lora else stats.total  # LoRA: the adapters' optimizer state is negligible
     stored = 0 if four_bit else stats.total  # a 4-bit base is read again from the source, never saved
-    ckpt_bytes = checkpoint.checkpoint_bytes(stored, trainable, param_bytes)
+    ckpt_bytes = checkpoint_storage.checkpoint_bytes(stored, trainable, param_bytes)
     export_bytes = stats.total * param_bytes if args.export else 0
-    message = checkpoint.check_disk_space(args.out_dir, ckpt_bytes, args.keep_last, export_bytes)
+    message = checkpoint_storage.check_disk_space(args.out_dir, ckpt_bytes, args.keep_last, export_bytes)
     if message:
         warn(message)
     world = int(os.environ.get("WORLD_SIZE", "1"))
     per_node = ckpt_bytes * int(os.environ.get("LOCAL_WORLD_SIZE", world)) // max(world, 1)
     fast_disk = 5e9  # bytes/s: when even this disk could not miss the deadline, skip measuring (64 MB written)
     if os.environ.get("RANK", "0") == "0" and preemption.deadline_warning(per_node, fast_disk, 0.0):
-        speed = checkpoint.measure_write_speed(args.checkpoint_dir, 64 << 20)
+        speed = checkpoint_storage.measure_write_speed(args.checkpoint_dir, 64 << 20)
         if message := preemption.deadline_warning(per_node, speed, step_seconds=0.0):
             warn(message)
 
@@ -412,7 +341,7 @@ def setup(args: TrainArgs) -> Run:
     if args.resume:  # the first resume after `python -m deepzero.universal` loads the universal checkpoint
         universal.configure_resume(plan.cfg.ds, args.checkpoint_dir)
     rank, world = init_distributed()
-    checkpoint.check_shared_storage(args.checkpoint_dir, plan.cfg.ds, plan.cfg.path)
+    checkpoint_storage.check_shared_storage(args.checkpoint_dir, plan.cfg.ds, plan.cfg.path)
     torch.manual_seed(args.seed)
     with phase("loading the weights and building the DeepSpeed engine (its ops may compile)"):
         engine = plan.engine_settings.build(partial(make_model, args, plan), plan.cfg.ds, plan.seq_len)

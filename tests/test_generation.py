@@ -103,7 +103,7 @@ def test_the_end_tokens_are_the_tokenizers_and_the_generation_configs() -> None:
 def test_generation_kwargs_are_a_json_object_of_what_the_flags_do_not_own(text: str, message: str) -> None:
     from deepzero.args import generation_kwargs
     from deepzero.errors import UserError
-    from deepzero.losses.grpo import GRPOSettings
+    from deepzero.losses.grpo.settings import GRPOSettings
 
     with pytest.raises(UserError, match=message):
         GRPOSettings(rewards=("x",), generation_kwargs=generation_kwargs(text)).check()

@@ -19,14 +19,10 @@ from types import SimpleNamespace
 import pytest
 import torch
 
-from deepzero.losses.grpo import (
-    GRPO,
-    LOSS_TYPES,
-    GRPOSettings,
-    advantages,
-    completion_rows,
-    nanstd,
-)
+from deepzero.losses.grpo.loss import advantages, nanstd
+from deepzero.losses.grpo.objective import GRPO
+from deepzero.losses.grpo.rollout import completion_rows
+from deepzero.losses.grpo.settings import LOSS_TYPES, GRPOSettings
 from deepzero.losses.tiled import TiledLoss, install_tiled_loss
 
 TOL = 1e-5
@@ -434,7 +430,7 @@ def test_mask_truncated_completions_leaves_the_cut_rows_out_of_the_loss(mask: bo
     """``--mask-truncated-completions`` (TRL's semantics): a completion that ends without an end-of-sequence token
     (cut by the length limit) has no target tokens, so it leaves the loss and dapo's token normaliser; its reward
     still counts in its group's advantages. Without the flag every completion keeps its targets."""
-    from deepzero.losses.grpo import GRPO
+    from deepzero.losses.grpo.objective import GRPO
 
     completions = [[5, 6, 2], [5, 6, 7, 8], [9, 2], [4, 4, 4, 4]]  # EOS is 2; rows 1 and 3 are cut
     sampler = SimpleNamespace(eos_ids=(2,), sample=lambda model, prompts, seeds: completions)
@@ -531,7 +527,7 @@ def test_a_reward_file_in_trls_style_for_chat_prompts_runs_unchanged(tmp_path) -
     given, each completion as ``[{"role": "assistant", "content": ...}]``, every column, ``trainer_state``,
     ``log_extra`` (a column of completions.jsonl) and ``log_metric`` (a metric of the window); a reward file written
     for TRL's GRPOTrainer (its docs' ``reward_len``) scores without a change."""
-    from deepzero.losses.grpo import GRPO
+    from deepzero.losses.grpo.objective import GRPO
     from deepzero.rollout.rewards import parse_rewards
 
     (tmp_path / "r.py").write_text(TRL_STYLE_REWARDS)

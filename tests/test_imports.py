@@ -4,34 +4,12 @@ start needs is its fit check."""
 
 from __future__ import annotations
 
-import ast
 import subprocess
 import sys
 
 import pytest
 from conftest import REPO
-
-PACKAGE = REPO / "deepzero"
-
-
-def import_graph() -> dict[str, set[str]]:
-    """deepzero's modules and the deepzero modules each imports anywhere in its source (``from X import name``
-    counts as importing ``X.name`` when that is a module)."""
-    modules = {}
-    for path in PACKAGE.rglob("*.py"):
-        name = ".".join(path.relative_to(REPO).with_suffix("").parts).removesuffix(".__init__")
-        modules[name] = path
-    edges: dict[str, set[str]] = {name: set() for name in modules}
-    for name, path in modules.items():
-        for node in ast.walk(ast.parse(path.read_text())):
-            if isinstance(node, ast.ImportFrom) and node.module and node.level == 0:
-                targets = [node.module, *(f"{node.module}.{alias.name}" for alias in node.names)]
-            elif isinstance(node, ast.Import):
-                targets = [alias.name for alias in node.names]
-            else:
-                continue
-            edges[name] |= {t for t in targets if t in modules and t != name}
-    return edges
+from helpers.import_graph import import_graph
 
 
 def cycles(edges: dict[str, set[str]]) -> list[list[str]]:

@@ -289,12 +289,15 @@ def test_merged_export_loads_without_peft_and_matches_the_engine(
     assert export["ok"] and export["merged_modules"] == WRAPPED[name] and export["step"] == STEPS
     low = precision(name) == "fp16"
     assert export["dtype"] == ("float16" if low else "float32")
-    assert export["tolerance"] == (1e-2 if low else 1e-4)
-    # train.py compared the engine's logits with the reloaded export's on the first val row
+    # train.py compared the engine's logits with the reloaded export's on the first val row, token by token: every
+    # token within the dtype's tolerance (deepzero.adapters.logit_check), every routing flip a near-tie
+    assert export["tokens_compared"] > 0 and export["routing_flips"] == export["near_tie_flips"], export
+    assert export["tokens_over_tolerance"] == export["exempt_tokens"] <= 1, export
+    assert export["median_token_logit_diff"] <= export["p99_token_logit_diff"] <= export["max_abs_logit_diff"]
     if not low:  # fp32 engine and fp32 export: the same function up to summation order
-        assert export["max_abs_logit_diff"] < 1e-4, export
-    else:  # fp16: the merge rounds W + BA·α/r once; the engine adds B·A·x to W·x in fp16
-        assert export["median_token_logit_diff"] < 1e-2, export
+        assert export["tolerance"] == 1e-4 and export["max_abs_logit_diff"] < 1e-4, export
+    else:  # fp16: the merge rounds W + BA·α/r once; the engine adds B·A·x to W·x in fp16 (32 units of 2^-10)
+        assert 0.03 <= export["tolerance"] < 0.2 and export["p99_token_logit_diff"] <= export["tolerance"], export
     assert sorted(p.name for p in hf.glob("*.safetensors")) == ["model.safetensors"]
     assert not (hf / "adapter_config.json").exists() and not list(hf.glob("*.bin"))
 

@@ -169,7 +169,7 @@ def _check_in_group(rank: int, world: int, port: int, runs: list[list[str]], res
     error line or None) on ``results``."""
     import torch.distributed as dist
 
-    from deepzero.checkpoint import check_shared_storage
+    from deepzero.checkpoint_storage import check_shared_storage
     from deepzero.errors import UserError
 
     dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world)

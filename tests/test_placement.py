@@ -14,8 +14,6 @@ from deepzero.placement import (
     GiB,
     Placement,
     _split,
-    _to_device,
-    apply_placement,
     find_layers,
     format_placement,
     layer_sizes,
@@ -23,6 +21,7 @@ from deepzero.placement import (
     meta_model,
     plan_placement,
 )
+from deepzero.placement_hooks import _to_device, apply_placement
 from deepzero.presets import get_preset
 
 MODELS = [

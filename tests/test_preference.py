@@ -21,7 +21,7 @@ from conftest import REPO, cpu_env, launch, records
 
 from deepzero.data import GlobalBatchSampler, PreferenceDataset, open_split
 from deepzero.data.preference import parse_record, read_pairs
-from deepzero.data.prepare import split_of
+from deepzero.data.writer import split_of
 from deepzero.errors import UserError
 from deepzero.losses.objectives import PreferenceSettings
 from deepzero.presets import get_preset
@@ -170,6 +170,7 @@ def test_read_pairs_refuses_a_file_that_is_not_jsonl(tmp_path: Path) -> None:
 def train(pref: dict, out: Path, *extra: str, nproc: int = 1, config: str = "zero2.json") -> list[dict]:
     args = ["--deepspeed_config", f"ds_configs/{config}", "--data", str(pref["data"]), "--out", str(out)]
     args += ["--model", str(pref["model"]), "--precision", "fp32", "--lr", "1e-3", "--warmup-steps", "1"]
+    args += ["--lr-schedule", "constant"]  # TRL's side steps DeepSpeed's WarmupLR (trl_run)
     args += ["--log-interval", "1", "--eval-interval", "0", "--save-interval", "0", "--no-export"]
     args += ["--ds", "optimizer.params.weight_decay=0", *extra]
     launch(args, nproc=nproc, env=cpu_env())

@@ -17,7 +17,8 @@ import pytest
 import torch
 
 from deepzero.data import PackedDataset, load_meta, stdlib_corpus, train_tokenizer
-from deepzero.data.prepare import main, prepare, split_of
+from deepzero.data.prepare import main, prepare
+from deepzero.data.writer import split_of
 from deepzero.errors import UserError
 
 REPO = Path(__file__).resolve().parent.parent
@@ -67,7 +68,8 @@ def _meta(d: Path) -> dict:
 def test_one_and_three_workers_write_identical_shards(
     kind: str, corpus: Path, chats: Path, tok_dir: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    monkeypatch.setattr("deepzero.data.prepare.BATCH_BYTES", 20_000)  # dozens of batches, finishing out of order
+    # dozens of batches, finishing out of order
+    monkeypatch.setattr("deepzero.data.tokenize_workers.BATCH_BYTES", 20_000)
     inputs, seq_len = ([str(corpus)], 32) if kind == "text" else ([str(chats)], 128)
     args = dict(tokenizer=str(tok_dir), seq_len=seq_len, val_fraction=0.1, shard_mb=0.05)
     one = prepare(inputs, tmp_path / "one", workers=1, **args)
@@ -226,7 +228,8 @@ def test_cli_shows_progress_and_summary(corpus: Path, tok_dir: Path, tmp_path: P
 def test_a_worker_that_dies_fails_the_run_instead_of_hanging(
     corpus: Path, tok_dir: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    monkeypatch.setattr("deepzero.data.prepare._Encoder.__call__", lambda self, values: os._exit(9))  # forked in
+    # forked in
+    monkeypatch.setattr("deepzero.data.tokenize_workers.Encoder.__call__", lambda self, values: os._exit(9))
     with pytest.raises(UserError, match="--workers: a tokenizer process died"):
         prepare([str(corpus)], tmp_path / "out", tokenizer=str(tok_dir), seq_len=32, workers=2)
     assert not (tmp_path / "out").exists() and not list(tmp_path.glob(".out.*"))

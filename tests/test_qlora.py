@@ -135,7 +135,9 @@ def test_ranks_that_loaded_different_bases_stop_in_one_line(base16: Path, monkey
     bnb = quant.FourBit("fp32", "fp32").bnb_config()
     model = AutoModelForCausalLM.from_pretrained(base16, quantization_config=bnb, device_map={"": "cpu"})
     prints = partitioned_load.fingerprint(model)
-    assert len(prints) == len(list(model.parameters())) and prints == partitioned_load.fingerprint(model)
+    states = quant.quant_states(model)
+    assert states and len(prints) == len(list(model.parameters())) + len(states)
+    assert prints == partitioned_load.fingerprint(model)
     other = list(prints)
     other[3] += 1
     monkeypatch.setattr(partitioned_load.dist, "get_world_size", lambda: 3)
@@ -151,6 +153,44 @@ def test_ranks_that_loaded_different_bases_stop_in_one_line(base16: Path, monkey
         partitioned_load.dist, "all_gather_object", lambda out, mine: out.__setitem__(slice(None), [mine] * 3)
     )
     partitioned_load.check_same_everywhere(prints)
+
+
+def test_a_resume_onto_another_quant_state_is_refused_in_one_line(base16: Path) -> None:
+    """The same files and codes quantised with other block scales (bitsandbytes' CPU statistics followed the thread
+    count in their last bits) dequantise to another base: each QuantState is in the fingerprint (absmax, code,
+    blocksize, quant type, dtype, the nested state), and a resume that loaded another one is refused in one line."""
+    from deepzero.adapters import checkpoint, partitioned_load, quant
+
+    bnb = quant.FourBit("fp32", "uint8").bnb_config()
+    model = AutoModelForCausalLM.from_pretrained(base16, quantization_config=bnb, device_map={"": "cpu"})
+    saved = checkpoint.base_fingerprint(partitioned_load.fingerprint(model), "uint8")
+    state = quant.quant_states(model)[2]
+    codes = [p.clone() for p in model.parameters()]
+    changes = [
+        ("absmax", lambda s: s.absmax.view(torch.uint8)[0].add_(1)),  # one block's scale, in its last bits
+        ("nested absmax", lambda s: s.state2.absmax.view(torch.uint8)[0].add_(1)),
+        ("code", lambda s: s.code.view(torch.uint8)[0].add_(1)),
+        ("blocksize", lambda s: setattr(s, "blocksize", 128)),
+        ("quant_type", lambda s: setattr(s, "quant_type", "fp4")),
+    ]
+    for what, change in changes:
+        before = (
+            state.absmax.clone(),
+            state.state2.absmax.clone(),
+            state.code.clone(),
+            state.blocksize,
+            state.quant_type,
+        )
+        change(state)
+        own = checkpoint.base_fingerprint(partitioned_load.fingerprint(model), "uint8")
+        assert own["tensors"] == saved["tensors"] and own["crc32"] != saved["crc32"], what
+        with pytest.raises(UserError, match="was trained on another 4-bit base") as err:
+            checkpoint.check_same_base(saved, own, "--resume (run/checkpoints/step00000005)", str(base16))
+        assert "\n" not in str(err.value), what
+        state.absmax.copy_(before[0]), state.state2.absmax.copy_(before[1]), state.code.copy_(before[2])
+        state.blocksize, state.quant_type = before[3], before[4]
+    assert all(torch.equal(a, b) for a, b in zip(codes, model.parameters(), strict=True))  # the codes never moved
+    checkpoint.check_same_base(saved, checkpoint.base_fingerprint(partitioned_load.fingerprint(model), "uint8"), "", "")
 
 
 @pytest.fixture(scope="module", params=["zero2", "zero3"])
@@ -201,7 +241,8 @@ def test_export_merges_into_the_16bit_base_and_loads_without_peft_or_bitsandbyte
     assert export["unchanged_tensors"] == export["tensors"] - len(adapted) > 0
     # the user's round trip: the source with hf-adapter applied by stock peft, unmerged, gives the merged logits
     assert export["peft"].startswith("stock peft") and export["peft"].endswith("loads it as trained"), export
-    assert export["median_token_logit_diff"] <= export["tolerance"] and "unmerged" in export["logit_check"]
+    assert export["max_abs_logit_diff"] <= export["tolerance"] and "unmerged" in export["logit_check"]
+    assert export["p99_token_logit_diff"] <= export["max_abs_logit_diff"] and export["tokens_over_tolerance"] == 0
     adapter = Path(export["adapter_path"])
     assert adapter == out / "hf-adapter" and (adapter / "adapter_config.json").is_file()
     lora = load_file(adapter / "adapter_model.safetensors")

@@ -4,7 +4,9 @@ DeepSpeed's checkpoint holds the module's state dict, and ZeRO-1/2 also the frag
 QLoRA that is the whole 4-bit base plus each weight's ``QuantState`` entries (``weight.absmax``, ``weight.quant_map``,
 ...), which a strict load rejects. Here a save keeps only what trains and the persistent buffers (routing biases),
 and a load restores exactly those. The base is read again from the model source at start and compared with the
-fingerprint the checkpoint recorded, so a resume on other base files stops in one line instead of training on them.
+fingerprint the checkpoint recorded (the bytes of every parameter and every ``QuantState``: block scales, code,
+nested state), so a resume on other base files, or on the same files quantised otherwise, stops in one line instead of
+training on them.
 """
 
 from __future__ import annotations
@@ -24,7 +26,8 @@ BASE_KEY = "four_bit_base"
 
 
 def base_fingerprint(prints: list[int], storage: str) -> dict[str, Any]:
-    """One record for the per-tensor CRC-32s of the loaded base (``partitioned_load.fingerprint``)."""
+    """One record for the CRC-32s of the loaded base (``partitioned_load.fingerprint``: every parameter, then every
+    4-bit weight's ``QuantState``; ``tensors`` counts both)."""
     digest = zlib.crc32(np.asarray(prints, dtype=np.uint32).tobytes())
     return {"tensors": len(prints), "crc32": f"{digest:08x}", "storage": storage}
 

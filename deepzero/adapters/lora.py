@@ -24,8 +24,8 @@ the resolved modules were wrapped.
 Order in the trainer: build the model (under ZeRO-3 inside HfDeepSpeedConfig, so partitioned at load), then
 :func:`apply_lora`, then ``deepspeed.initialize`` with only the parameters that require grad. The adapters are
 created after ``zero.Init`` has ended; DeepSpeed's ZeRO-3 engine partitions them at ``initialize``. At the end every
-rank calls :func:`export_lora_hf`: a plain HF folder with merged weights under the original names, loadable without
-peft.
+rank calls ``lora_export.export_lora_hf``: a plain HF folder with merged weights under the original names, loadable
+without peft.
 """
 
 from __future__ import annotations
@@ -40,18 +40,9 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from deepzero import modeling
-from deepzero.adapters.merge import Adapters, no_v4_target_remap, write_adapter
-from deepzero.distributed import while_one_rank_works
+from deepzero.adapters.peft_compat import no_v4_target_remap
 from deepzero.errors import UserError
 from deepzero.flops import count_params
-from deepzero.hf_export import (
-    ExportReport,
-    attn_implementation_of,
-    consolidated_state_dict,
-    eval_logits,
-    publish_and_compare,
-)
 
 FLAG = "--lora"
 KEYS = ("r", "alpha", "dropout", "targets")
@@ -378,91 +369,6 @@ def merged_model(state_dict: dict[str, torch.Tensor], peft_config: Any, base_con
     if getattr(merged.config, "tie_word_embeddings", False):
         merged.tie_weights()
     return merged
-
-
-@dataclass(frozen=True)
-class LoraExportReport(ExportReport):
-    """ExportReport for a merged adapter. Merging rounds W + B·A·α/r to the weights' dtype once, while the engine
-    computes W·x and B·A·x apart: in 16 bits logits agree to that dtype's precision, and in a MoE model a token whose
-    top-k experts flip on a near-tie differs by much more. So ``ok`` looks at the typical token (median over tokens of
-    the largest |Δlogit| at that token); ``max_abs_logit_diff`` is still reported. In fp32 both are ~1e-6."""
-
-    median_token_logit_diff: float = 0.0
-    tolerance: float = 1e-4
-    merged_modules: int = 0
-
-    adapter_path: str = ""
-    """The adapters alone in peft's format (empty where they include fused expert tensors)."""
-
-    @property
-    def ok(self) -> bool:
-        return self.median_token_logit_diff <= self.tolerance
-
-    @property
-    def why(self) -> str:
-        return (
-            f"the reloaded export differs from the engine: median token |Δlogit| {self.median_token_logit_diff:.3g} >"
-            f" tolerance {self.tolerance:.3g} ({self.dtype})"
-        )
-
-
-TOLERANCE = {torch.float32: 1e-4, torch.float16: 1e-2, torch.bfloat16: 5e-2}
-"""Allowed median per-token max |Δlogit| between the merged export (reloaded in its dtype on the CPU) and a LoRA
-engine on the CPU; an engine on a GPU sums in another order, so fp32 gets the 1e-3 of ``ExportReport.measured``."""
-
-
-@torch.no_grad()
-def export_lora_hf(
-    engine: Any, tokenizer: Any, out_dir: Path, probe: dict[str, torch.Tensor]
-) -> LoraExportReport | None:
-    """Merge the adapters and write a plain HF folder (safetensors, original names) on rank 0; reload it without
-    peft and compare logits on ``probe`` with the engine. Every rank must call it (ZeRO-3 gathers inside)."""
-    engine_logits = eval_logits(engine, probe)
-    state_dict = consolidated_state_dict(engine)
-    report = None
-    with while_one_rank_works():  # the others wait on a group of their own, not the main group's 10 minutes
-        if engine.global_rank == 0:
-            report = _merge_and_compare(engine, state_dict, tokenizer, out_dir, probe, engine_logits)
-    return report
-
-
-def _merge_and_compare(
-    engine: Any, state_dict: dict[str, torch.Tensor], tokenizer: Any, out_dir: Path, probe: dict, engine_logits: Any
-) -> LoraExportReport:
-    """Rank 0: the adapter folder, the merged folder, and its logits against the engine's."""
-    peft_model = engine.module
-    base = peft_model.get_base_model()
-    wrapped = sum(1 for n, _ in peft_model.named_modules() if n.endswith(".lora_A"))
-    adapter_dir = _write_adapter_folder(state_dict, peft_model.peft_config["default"], out_dir)
-    with modeling.zero3_init_off():
-        merged = merged_model(state_dict, peft_model.peft_config["default"], base.config)
-        del state_dict
-        attn = attn_implementation_of(base)
-        diff = publish_and_compare(merged, tokenizer, out_dir, probe, engine_logits, merged.dtype, attn)
-        report = LoraExportReport(
-            str(out_dir),
-            diff.max().item(),
-            str(merged.dtype).removeprefix("torch."),
-            median_token_logit_diff=diff.amax(-1).median().item(),
-            tolerance=max(TOLERANCE[merged.dtype], 0.0 if engine.device.type == "cpu" else 1e-3),
-            merged_modules=wrapped,
-            adapter_path=str(adapter_dir or ""),
-        )
-    return report
-
-
-def _write_adapter_folder(state_dict: dict[str, torch.Tensor], config: Any, out_dir: Path) -> Path | None:
-    """``<out_dir>-adapter`` in peft's format from the engine's whole state dict, V3's routers (their trained routing
-    bias) as modules to save (None where the adapters include fused expert tensors, which the folder's full-path
-    targets cannot name)."""
-    if config.target_parameters:
-        return None
-    adapters = {k: v for k, v in state_dict.items() if is_adapter_param(k)}
-    folder = out_dir.with_name(f"{out_dir.name}-adapter")
-    spec = Adapters.from_state(adapters, config.r, config.lora_alpha, config.lora_dropout)
-    base = {k.removeprefix("base_model.model."): v for k, v in state_dict.items() if not is_adapter_param(k)}
-    write_adapter(spec.with_routers(base, base.__getitem__), config.base_model_name_or_path or "", folder)
-    return folder
 
 
 def _rank() -> int:

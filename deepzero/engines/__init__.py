@@ -1,7 +1,8 @@
 """The ways to use the cards, behind one interface (``TrainEngine``).
 
 Each way is one module with a settings object (:class:`EngineSettings`), chosen once while the run is planned
-(:func:`choose`), that knows its data-parallel size, checks the batch math it needs, and builds its engine:
+(:func:`choose`), that knows its data-parallel size, checks the batch math it needs, tells the memory planner what
+it holds (``plan_terms``), and builds its engine:
 
 - ``zero.ZeroSettings`` → ``zero.ZeroEngine``: DeepSpeed ZeRO-0/1/2/3 data parallel (LoRA is a model transform there),
   optionally with every sequence split over ``sequence_parallel_size`` ranks (``deepzero.sequence_parallel``);
@@ -9,7 +10,7 @@ Each way is one module with a settings object (:class:`EngineSettings`), chosen 
 - ``layer_split.LayerSplitSettings`` → ``layer_split.LayerSplitEngine``: one process, layers balanced over the cards.
 
 A new way plugs in as one module with an engine class implementing ``TrainEngine`` and a settings class with
-``dp_size``, ``check_batch`` and ``build``, selected in :func:`choose`.
+``dp_size``, ``check_batch``, ``plan_terms`` and ``build``, selected in :func:`choose`.
 """
 
 from __future__ import annotations
@@ -23,6 +24,7 @@ from deepzero.engines.layer_split import LayerSplitSettings
 from deepzero.engines.pipeline import PipelineSettings
 from deepzero.engines.zero import ZeroSettings
 from deepzero.errors import UserError
+from deepzero.plan.setup import EngineTerms
 
 
 class EngineSettings(Protocol):
@@ -34,6 +36,10 @@ class EngineSettings(Protocol):
 
     def check_batch(self, batch: BatchMath) -> None:
         """Raise a UserError when the resolved batch math does not suit this way of using the cards."""
+        ...
+
+    def plan_terms(self) -> EngineTerms:
+        """What the memory planner models of this way of using the cards (``deepzero.plan.setup.EngineTerms``)."""
         ...
 
     def build(self, build_model: ModelFactory, ds_config: dict[str, Any], seq_len: int) -> TrainEngine: ...

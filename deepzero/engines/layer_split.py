@@ -22,7 +22,9 @@ from deepzero.hf_export import ExportReport, export_hf
 from deepzero.losses.lm import lm_loss, loss_normalizer
 from deepzero.losses.objectives import LanguageModeling
 from deepzero.modeling import cast_parameters
-from deepzero.placement import Placement, apply_placement, format_placement, plan_placement, torch_device
+from deepzero.placement import Placement, format_placement, plan_placement, torch_device
+from deepzero.placement_hooks import apply_placement
+from deepzero.plan.setup import EngineTerms
 
 
 def parse_devices(spec: str | None) -> list[str | int]:
@@ -214,6 +216,9 @@ class LayerSplitSettings:
 
     def check_batch(self, batch: BatchMath) -> None:
         return None
+
+    def plan_terms(self) -> EngineTerms:
+        return EngineTerms("layer split", devices=tuple(parse_devices(self.devices)))
 
     def build(self, build_model: ModelFactory, ds_config: dict[str, Any], seq_len: int) -> LayerSplitEngine:
         if ds_config.get("fp16", {}).get("enabled"):

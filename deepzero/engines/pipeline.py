@@ -46,6 +46,7 @@ from deepzero.hf_export import ExportReport, attn_implementation_of, publish_and
 from deepzero.losses import TiledLoss, tiled_cross_entropy
 from deepzero.losses.lm import loss_normalizer
 from deepzero.losses.objectives import LanguageModeling
+from deepzero.plan.setup import EngineTerms
 
 PARTITION_METHODS = ("parameters", "uniform")
 
@@ -105,6 +106,12 @@ class PipelineSettings:
                 f"{accum} micro-batches per step cannot fill a {self.stages}-stage pipeline",
                 f"set gradient_accumulation_steps to {self.stages} or more (more micro-batches → smaller bubble)",
             )
+
+    def plan_terms(self) -> EngineTerms:
+        interval = self.activation_checkpoint_interval
+        return EngineTerms(
+            "pipeline", interval > 0, stages=self.stages, partition=self.partition, checkpoint_interval=interval
+        )
 
     def build(self, build_model: ModelFactory, ds_config: dict[str, Any], seq_len: int) -> PipelineEngine:
         return PipelineEngine.build(build_model, ds_config, self)

@@ -26,13 +26,15 @@ from deepzero import modeling
 from deepzero import sequence_parallel as sp
 from deepzero.adapters import checkpoint as adapter_checkpoint
 from deepzero.adapters import quant
-from deepzero.adapters.lora import LoraSpec, apply_lora, export_lora_hf
+from deepzero.adapters.lora import LoraSpec, apply_lora
+from deepzero.adapters.lora_export import export_lora_hf
 from deepzero.adapters.partitioned_load import fingerprint, load_in_turns
 from deepzero.dsconfig import BatchMath
 from deepzero.engines.base import Batch, DeepSpeedBacked, ModelFactory, mean_eval_loss
 from deepzero.errors import UserError
 from deepzero.hf_export import ExportReport, export_hf
 from deepzero.losses.objectives import Objective, PreferenceSettings, build_objective
+from deepzero.plan.setup import EngineTerms
 
 Exporter = Callable[[Any, Any, Path, Batch], "ExportReport | None"]
 
@@ -274,7 +276,7 @@ class ZeroSettings:
     preference: PreferenceSettings | None = None
     """The preference loss of a preference data folder (None: the LM loss)."""
     grpo: Any = None
-    """GRPO's settings for a prompts data folder (``deepzero.losses.grpo.GRPOSettings``; None: no GRPO)."""
+    """GRPO's settings for a prompts data folder (``deepzero.losses.grpo.settings.GRPOSettings``; None: no GRPO)."""
     seed: int = 0
     """The run's seed (GRPO's sampling streams derive from it)."""
     four_bit: quant.FourBit | None = None
@@ -294,6 +296,11 @@ class ZeroSettings:
 
     def check_batch(self, batch: BatchMath) -> None:
         return None
+
+    def plan_terms(self) -> EngineTerms:
+        return EngineTerms(
+            "zero", self.gradient_checkpointing, self.lora, self.sequence_parallel, four_bit=self.four_bit is not None
+        )
 
     def build(self, build_model: ModelFactory, ds_config: dict[str, Any], seq_len: int) -> ZeroEngine:
         engine = ZeroEngine.build(

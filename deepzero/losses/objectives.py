@@ -385,7 +385,7 @@ def sequence_logps(model: Any, batch: Batch) -> tuple[torch.Tensor, torch.Tensor
 def build_objective(preference: PreferenceSettings | None, grpo: Any = None, seed: int = 0) -> Objective:
     """The LM loss, the preference loss ``preference`` names, or GRPO (``grpo``: its settings)."""
     if grpo is not None:
-        from deepzero.losses.grpo import GRPO
+        from deepzero.losses.grpo.objective import GRPO
 
         return GRPO(grpo, seed)
     return LanguageModeling() if preference is None else Preference(preference)

@@ -11,7 +11,7 @@ from typing import Any
 from deepzero.args import TrainArgs, generation_kwargs
 from deepzero.dsconfig import BatchMath
 from deepzero.errors import UserError, warn
-from deepzero.losses.grpo import GRPOSettings
+from deepzero.losses.grpo.settings import GRPOSettings
 
 GRPO_LR = 1e-6
 """What ``"lr": "auto"`` trains GRPO at: TRL 1.16's ``GRPOConfig.learning_rate`` (the fine-tuning default, 3e-5,

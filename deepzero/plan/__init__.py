@@ -21,10 +21,12 @@ _EXPORTS: dict[str, tuple[str, ...]] = {
     "arch": ("Arch", "ModelStats", "model_stats"),
     "setup": (
         "DS_CONFIG_DIR",
+        "EngineTerms",
         "GrpoTerms",
         "LayerSplitLayout",
         "Layout",
         "PipelineLayout",
+        "PlannedEngine",
         "SaverTerms",
         "Setup",
         "ZeroKnobs",

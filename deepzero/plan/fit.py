@@ -14,11 +14,18 @@ from deepzero.errors import UserError
 from deepzero.plan.arch import ModelStats, model_stats
 from deepzero.plan.memory import Estimate, GiB, estimate, gib
 from deepzero.plan.search import generation_rows, max_micro_batch, recommend
-from deepzero.plan.setup import GrpoTerms, LayerSplitLayout, PipelineLayout, SaverTerms, Setup, run_setup
+from deepzero.plan.setup import (
+    GrpoTerms,
+    LayerSplitLayout,
+    PipelineLayout,
+    PlannedEngine,
+    SaverTerms,
+    Setup,
+    run_setup,
+)
 
 if TYPE_CHECKING:
     from deepzero.dsconfig import ResolvedConfig
-    from deepzero.engines import EngineSettings
 
 
 def detected_gpu_mem_gb() -> float | None:
@@ -41,7 +48,7 @@ def detected_cpu_mem_gb() -> float | None:
 
 def check_fit(
     model_config: PretrainedConfig,
-    engine: EngineSettings,
+    engine: PlannedEngine,
     cfg: ResolvedConfig,
     seq_len: int,
     *,
@@ -77,7 +84,7 @@ def check_fit(
 
 def run_estimate(
     model_config: PretrainedConfig,
-    engine: EngineSettings,
+    engine: PlannedEngine,
     cfg: ResolvedConfig,
     seq_len: int,
     world_size: int,
@@ -90,13 +97,13 @@ def run_estimate(
     setup = run_setup(model_config, engine, cfg, seq_len, world_size, pretrained, savers)
     setup = replace(setup, micro_batch=setup.micro_batch * rows_per_sample)
     name = getattr(model_config, "name_or_path", "") or "model"
-    stats = model_stats(model_config, name, lora=getattr(engine, "lora", None))
+    stats = model_stats(model_config, name, lora=engine.plan_terms().lora)
     return stats, estimate(stats, setup)
 
 
 def generation_batch(
     model_config: PretrainedConfig,
-    engine: EngineSettings,
+    engine: PlannedEngine,
     cfg: ResolvedConfig,
     grpo: GrpoTerms,
     completion: int,
@@ -117,7 +124,7 @@ def generation_batch(
     seq_len = grpo.prompt_len + completion
     try:
         setup = run_setup(model_config, engine, cfg, seq_len, world_size, pretrained, savers)
-        stats = model_stats(model_config, "model", lora=getattr(engine, "lora", None))
+        stats = model_stats(model_config, "model", lora=engine.plan_terms().lora)
     except (UserError, ValueError, KeyError, AttributeError):
         return None
     return generation_rows(stats, replace(setup, grpo=grpo), gpu_mem, cpu_mem, most)

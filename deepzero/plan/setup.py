@@ -9,7 +9,7 @@ import sys
 from collections.abc import Sequence
 from dataclasses import dataclass, field, replace
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, Literal, Protocol
 
 from transformers import PretrainedConfig
 
@@ -20,7 +20,6 @@ from deepzero.sequence_parallel import padded_length
 
 if TYPE_CHECKING:
     from deepzero.dsconfig import ResolvedConfig
-    from deepzero.engines import EngineSettings
 
 DS_CONFIG_DIR = Path(__file__).resolve().parents[2] / "ds_configs"
 
@@ -69,6 +68,33 @@ class LayerSplitLayout:
 
 Layout = PipelineLayout | LayerSplitLayout | None
 """How the run uses the cards; None = ZeRO data parallel over ``world_size`` ranks."""
+
+
+@dataclass(frozen=True)
+class EngineTerms:
+    """What the planner models of a run's engine, handed to it as data by the engine's settings (``deepzero.engines``:
+    each settings class's ``plan_terms``): ZeRO data parallel, a pipeline or a layer split, and what it holds."""
+
+    kind: Literal["zero", "pipeline", "layer split"] = "zero"
+    checkpointing: bool = False
+    """Activation checkpointing (ZeRO's ``--gradient-checkpointing``; a pipeline's ``checkpoint_interval`` > 0)."""
+    lora: Any = None
+    """The LoRA adapters (``deepzero.adapters.lora.LoraSpec``; None: full fine-tuning)."""
+    sequence_parallel: int = 1
+    four_bit: bool = False
+    """ZeRO's base in 4 bits under the adapters (``--load-in-4bit``)."""
+    stages: int = 1
+    partition: str = "parameters"
+    checkpoint_interval: int = 0
+    """The pipeline's: as ``PipelineLayout``'s."""
+    devices: tuple[str | int, ...] = ()
+    """The layer split's cards (``--device-map-devices``, parsed)."""
+
+
+class PlannedEngine(Protocol):
+    """A run's engine settings as the planner takes them: anything that hands over its :class:`EngineTerms`."""
+
+    def plan_terms(self) -> EngineTerms: ...
 
 
 @dataclass(frozen=True)
@@ -302,19 +328,16 @@ def layer_split_cuts(
 
 def run_setup(
     config: PretrainedConfig,
-    engine: EngineSettings,
+    engine: PlannedEngine,
     cfg: ResolvedConfig,
     seq_len: int,
     world_size: int,
     pretrained: bool,
     savers: SaverTerms | None = None,
 ) -> Setup:
-    """The Setup a run trains with, from what its RunPlan decided: the engine settings (layout, LoRA, gradient
-    checkpointing), the resolved config's precision and batch, pretrained or random init, the memory savers
+    """The Setup a run trains with, from what its RunPlan decided: what the engine settings hand over
+    (``engine.plan_terms()``: layout, LoRA, gradient checkpointing), the resolved config's precision and batch, pretrained or random init, the memory savers
     (``SaverTerms.of(plan.savers)``; None: none). ``cfg.ds`` is read only for the ZeRO sizes DeepSpeed is given."""
-    from deepzero.engines import LayerSplitSettings, PipelineSettings, ZeroSettings
-    from deepzero.engines.layer_split import parse_devices
-
     base = setup_from_ds_config(
         cfg.ds,
         world_size=world_size,
@@ -325,21 +348,22 @@ def run_setup(
         savers=savers,
     )
     base = replace(base, precision=cfg.precision, accum=cfg.batch.accum)
-    if isinstance(engine, ZeroSettings):
+    terms = engine.plan_terms()
+    if terms.kind == "zero":
         return replace(
             base,
-            checkpointing=engine.gradient_checkpointing,
-            lora_rank=engine.lora.r if engine.lora else 0,
-            sequence_parallel=getattr(engine, "sequence_parallel", 1),
-            four_bit=engine.four_bit is not None,
+            checkpointing=terms.checkpointing,
+            lora_rank=terms.lora.r if terms.lora else 0,
+            sequence_parallel=terms.sequence_parallel,
+            four_bit=terms.four_bit,
         )
-    if isinstance(engine, PipelineSettings):
+    if terms.kind == "pipeline":
         accum_dtype = cfg.ds.get("data_types", {}).get("grad_accum_dtype")
-        interval = engine.activation_checkpoint_interval
-        layout = PipelineLayout(engine.stages, engine.partition, interval, fp32_grad_accum=accum_dtype == "fp32")
+        interval = terms.checkpoint_interval
+        layout = PipelineLayout(terms.stages, terms.partition, interval, fp32_grad_accum=accum_dtype == "fp32")
         return replace(base, layout=layout, checkpointing=interval > 0)
-    if isinstance(engine, LayerSplitSettings):
-        cuts = layer_split_cuts(config, parse_devices(engine.devices), seq_len, cfg.batch.micro)
+    if terms.kind == "layer split":
+        cuts = layer_split_cuts(config, list(terms.devices), seq_len, cfg.batch.micro)
         return Setup(
             savers=base.savers,
             stage=0,

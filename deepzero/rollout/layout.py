@@ -11,6 +11,7 @@ from typing import Any
 import torch
 
 from deepzero import modeling
+from deepzero.data.tokenizer import check_data_tokenizer, plan_tokenizer
 from deepzero.distributed import on_cuda
 from deepzero.errors import UserError
 from deepzero.plan.arch import model_stats
@@ -60,8 +61,6 @@ def load_model(args: JobArgs, meta: dict[str, Any], layout: str, rows: int, toke
     this rank's device, or its layers over every card (``deepzero.placement``, each layer's reserve its KV cache of
     ``rows`` rows of ``tokens`` prompt + completion tokens; on the CPU three "cpu" cards), the base in NF4 for the
     -4bit layouts (accelerate's map, each card's budget less its KV cache and working set)."""
-    from deepzero.run import check_data_tokenizer, plan_tokenizer
-
     source = modeling.resolve_model(args.model)
     if source.random_init:
         raise UserError(f"--model {args.model}", "is a random-init preset: nothing to evaluate", "pass a trained model")
@@ -87,7 +86,8 @@ def load_model(args: JobArgs, meta: dict[str, Any], layout: str, rows: int, toke
         device_map={"": device} if quant is not None else None,
     )  # fmt: skip
     if layout == "placement":
-        from deepzero.placement import apply_placement, plan_placement
+        from deepzero.placement import plan_placement
+        from deepzero.placement_hooks import apply_placement
         from deepzero.plan.generation import kv_layer_bytes
 
         cards = list(range(torch.cuda.device_count())) if on_cuda() else ["cpu"] * 3

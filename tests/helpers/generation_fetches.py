@@ -17,7 +17,7 @@ from deepspeed.runtime.zero.partitioned_param_coordinator import PartitionedPara
 
 from deepzero.args import parse_args
 from deepzero.distributed import exit_process
-from deepzero.losses import grpo
+from deepzero.losses.grpo.rollout import unpadded
 from deepzero.run import setup
 from deepzero.trainer import micro_batches
 
@@ -58,7 +58,7 @@ def main() -> None:
     generating = dict(COUNTS)
     COUNTS.clear()
     module = run.engine.engine.module
-    prompts = [p for p in grpo._unpadded(next(iter(micro_batches(run))))]
+    prompts = [p for p in unpadded(next(iter(micro_batches(run))))]
     with deepspeed.zero.GatheredParameters(list(module.parameters())):
         module.eval()
         sampling(module, prompts, [1] * len(prompts))

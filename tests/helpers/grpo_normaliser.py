@@ -15,7 +15,10 @@ import torch
 import torch.distributed as dist
 
 from deepzero.distributed import exit_process, init_distributed
-from deepzero.losses.grpo import GRPO, LOSS_TYPES, GRPOSettings, advantages, completion_rows
+from deepzero.losses.grpo.loss import advantages
+from deepzero.losses.grpo.objective import GRPO
+from deepzero.losses.grpo.rollout import completion_rows
+from deepzero.losses.grpo.settings import LOSS_TYPES, GRPOSettings
 from tests.test_grpo import fixed_inputs, tiny_qwen, trl_layout, trl_self
 
 ACCUM = 2
