@@ -170,7 +170,7 @@ def plan_run(args: TrainArgs, world: int) -> RunPlan:
         warn(warning)
     settings.check_batch(cfg.batch)
     four_bit = plan_four_bit(args, settings, cfg, source, config)
-    if four_bit is not None:
+    if isinstance(settings, engines.ZeroSettings) and settings.lora is not None:  # its export reads the base again
         settings = dataclasses.replace(settings, four_bit=four_bit, base_source=source.pretrained)
     methods.grpo.check_batch(grpo, cfg.batch)
     if cfg.precision_choice.changed:

@@ -437,6 +437,17 @@ def test_a_saved_v3_folders_balancing_moves_the_bias_into_hf_and_the_adapter_fol
     cmd += ["--save-interval", "0", "--log-interval", "3"]
     proc = subprocess.run(cmd, cwd=REPO, capture_output=True, text=True, env=cpu_env())
     assert proc.returncode == 0, proc.stderr[-3000:]
+    # a base with files is exported as QLoRA's is (deepzero.adapters.exporters): the adapters and the trained bias
+    # merged into the folder's own file, shard by shard, checked against it and round-tripped through stock peft
+    # (the in-memory merge of the engine's whole model, which this run used before, records none of this)
+    (export,) = records(out, "export")
+    assert export["ok"] and export["largest_shard_bytes"] == (tmp_path / "v3" / "model.safetensors").stat().st_size
+    saved_biases = [
+        k for k in load_file(tmp_path / "v3" / "model.safetensors") if k.endswith("e_score_correction_bias")
+    ]
+    assert export["merged_tensors"] >= export["moved_tensors"] > 0 and export["trained_buffers"] == len(saved_biases)
+    assert export["logit_check"].startswith("merged folder vs the source") and export["max_abs_logit_diff"] is not None
+    assert export["peak_host_bytes"] > 0 and export["adapter_path"] == str(out / "hf-adapter"), export
     merged = load_file(out / "hf" / "model.safetensors")
     biases = {k: v for k, v in merged.items() if k.endswith("e_score_correction_bias")}
     assert biases and all(v.abs().max() > 0 for v in biases.values())  # moved from the saved zeros

@@ -813,3 +813,45 @@ def test_the_export_is_planned_from_the_folders_own_largest_shard(tmp_path: Path
         costs[name] = export_host_bytes(stats, setup)
     assert costs["one"] - costs["many"] == EXPORT_SHARDS * (one - many)
     assert model_stats(config, "deepseek-ai/some-hub-id").largest_shard_bytes is None
+
+
+def test_a_16_bit_lora_export_is_planned_from_the_files_as_qloras_is(tmp_path: Path) -> None:
+    """16-bit LoRA over a base with files streams its export as QLoRA does (deepzero.adapters.exporters): the same
+    figure from the folder's largest shard, whatever the ZeRO stage. A random-init base, or adapters on the fused
+    experts, merges the whole model in memory (IN_MEMORY_COPIES of it); full fine-tuning plans no export here."""
+    from transformers import AutoModelForCausalLM
+
+    from deepzero.adapters.lora_export import IN_MEMORY_COPIES
+    from deepzero.plan.arch import model_stats
+    from deepzero.plan.memory import EXPORT_SHARDS, HOST_PER_RANK, export_host_bytes, host_bytes
+
+    config = get_preset("tiny-deepseek-v3").config(vocab_size=512)
+    model = AutoModelForCausalLM.from_config(config)
+    model.save_pretrained(tmp_path / "one")
+    model.save_pretrained(tmp_path / "many", max_shard_size="200KB")
+    stats = {d: model_stats(config, str(tmp_path / d)) for d in ("one", "many")}
+    lora = Setup(stage=3, world_size=3, lora_rank=16, pretrained=True, offload_optimizer=True, offload_params=True)
+    qlora = Setup(stage=2, world_size=3, lora_rank=16, four_bit=True, pretrained=True)
+    for st in stats.values():
+        assert (
+            export_host_bytes(st, lora)
+            == export_host_bytes(st, qlora)
+            == export_host_bytes(st, replace(lora, stage=2, offload_params=False))
+        )
+    one, many = (stats[d].largest_shard_bytes for d in ("one", "many"))
+    assert many < one / 2
+    gap = export_host_bytes(stats["one"], lora) - export_host_bytes(stats["many"], lora)
+    assert gap == EXPORT_SHARDS * (one - many)  # the shard, not the model: the old figure would not move
+
+    st = stats["many"]
+    whole = int(IN_MEMORY_COPIES * 2 * st.total)
+    assert export_host_bytes(st, replace(lora, pretrained=False)) == whole  # random init: no files to stream
+    assert export_host_bytes(st, replace(lora, expert_adapters=True)) == whole
+    assert export_host_bytes(st, replace(lora, lora_rank=0)) == 0
+    assert whole > export_host_bytes(st, lora)
+    rs = rank_states(st.lora_numels(16), st.float_numels(False), lora)[0]
+    host, states, load = host_bytes(st, lora, rs)  # the host column counts it: rank 0 exports, the others wait
+    assert host == 3 * HOST_PER_RANK + max(states, load, export_host_bytes(st, lora))
+    for targets, experts in (("attn", False), ("attn,experts", True)):  # what the run decided reaches the plan
+        config, settings, cfg = _resolved("tiny-deepseek-v3", "zero2", 3, lora=f"targets={targets}")
+        assert plan.run_setup(config, settings, cfg, 64, 3, True).expert_adapters == experts

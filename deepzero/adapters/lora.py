@@ -24,8 +24,8 @@ the resolved modules were wrapped.
 Order in the trainer: build the model (under ZeRO-3 inside HfDeepSpeedConfig, so partitioned at load), then
 :func:`apply_lora`, then ``deepspeed.initialize`` with only the parameters that require grad. The adapters are
 created after ``zero.Init`` has ended; DeepSpeed's ZeRO-3 engine partitions them at ``initialize``. At the end every
-rank calls ``lora_export.export_lora_hf``: a plain HF folder with merged weights under the original names, loadable
-without peft.
+rank calls the exporter ``exporters.lora_exporter`` chose: a plain HF folder with merged weights under the original
+names, loadable without peft, merged from the base's own files shard by shard where it has them.
 """
 
 from __future__ import annotations

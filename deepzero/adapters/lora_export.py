@@ -1,6 +1,10 @@
-"""The end of a LoRA run over a 16-bit model: the adapters merged into a plain Hugging Face folder (safetensors,
-original names, loadable without peft), the adapters alone in peft's format beside it, and the merged folder reloaded
-and compared with the engine token by token (``logit_check``). Every rank calls :func:`export_lora_hf`."""
+"""The end of a LoRA run over a 16-bit model the export cannot read again from files: the engine's whole model
+merged in memory into a plain Hugging Face folder (safetensors, original names, loadable without peft), the adapters
+alone in peft's format beside it, and the merged folder reloaded and compared with the engine token by token
+(``logit_check``). Every rank calls :func:`export_lora_hf`. Only for a base without files (a random-init preset) or
+adapters on the fused routed experts (``targets=experts``: the files' per-expert tensors cannot take them, nor the
+adapter folder's full-path targets name them); any other LoRA run streams its export from the base's own files, as
+QLoRA's does (``deepzero.adapters.exporters``)."""
 
 from __future__ import annotations
 
@@ -22,6 +26,14 @@ from deepzero.hf_export import (
     eval_logits,
     publish_and_compare,
 )
+
+IN_MEMORY_COPIES = 2.5
+"""Whole models in the training dtype this export holds on rank 0's host at once, as the planner counts it
+(``plan.memory.export_host_bytes``): the engine's consolidated state dict (gathered to the host under ZeRO-3),
+merged in place, and 1.33 models more beside it, measured (save_pretrained's buffers, the written folder reloaded
+for the comparison): 276 MB above the level before the export for a 208 MB bf16 Llama, r8 attention adapters, ZeRO-2
+on the CPU, where the state dict is the engine's own weights. The streamed export of the same run held 102 MB for its
+merge (7 shards of 32 MB), 210 MB with its round trip (two whole models, for bases up to 4 GiB)."""
 
 
 @dataclass(frozen=True)

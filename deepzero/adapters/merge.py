@@ -43,6 +43,9 @@ SINGLE_FILE = "model.safetensors"
 INDEX_FILE = "model.safetensors.index.json"
 COPIED_FILES = ("generation_config.json",)
 FIX_SOURCE = "export from the 16-bit model folder or hub id the run trained on (its run_config.json names it)"
+EXPORT_SHARDS = 4
+"""Shards of the base this export holds at once, as the planner counts it (``plan.memory.export_host_bytes``):
+measured about 3-4.4 (the input mapped, the output being built, its write; bench/export_memory)."""
 
 
 @dataclass(frozen=True)

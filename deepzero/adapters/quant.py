@@ -18,24 +18,20 @@ bits.
 
 The export merges the trained adapters into the original 16-bit base read again from the model source (not the NF4
 blocks dequantised), shard by shard, and writes a plain Transformers folder plus the adapters alone in peft's format
-(``deepzero.adapters.merge``). A checkpoint holds the adapters only (``deepzero.adapters.checkpoint``).
+(``deepzero.adapters.merge``, through ``deepzero.adapters.exporters.export_streamed``, as a 16-bit LoRA run over
+a base with files is). A checkpoint holds the adapters only (``deepzero.adapters.checkpoint``).
 """
 
 from __future__ import annotations
 
 import contextlib
 from dataclasses import dataclass
-from pathlib import Path
 from typing import Any
 
 import torch
 
-from deepzero import modeling
 from deepzero.adapters.lora import is_fused_expert
-from deepzero.adapters.merge import Adapters, MergedExport, export_merged
-from deepzero.distributed import while_one_rank_works
 from deepzero.errors import UserError, first_line
-from deepzero.hf_export import attn_implementation_of
 
 FLAG = "--load-in-4bit"
 SECTION = "quantization"
@@ -311,44 +307,3 @@ def quant_states(model: torch.nn.Module) -> list[Any]:
         if state is not None:
             out[id(state)] = state
     return list(out.values())
-
-
-# ------------------------------------------------------------------ export
-
-
-@torch.no_grad()
-def export_qlora_hf(
-    engine: Any, tokenizer: Any, out_dir: Path, probe: dict[str, torch.Tensor], source: str
-) -> MergedExport | None:
-    """Every rank calls it. Rank 0 merges the engine's adapters into the 16-bit base read again from ``source``,
-    shard by shard (``deepzero.adapters.merge``): ``out_dir`` loads with plain Transformers, ``<out_dir>-adapter``
-    with peft. The other ranks wait on a group of their own, not on the main group's 10-minute timeout."""
-    state = adapter_state_dict(engine)
-    report = None
-    with while_one_rank_works():
-        if engine.global_rank == 0:
-            config = engine.module.peft_config["default"]
-            adapters = Adapters.from_state(state, config.r, config.lora_alpha, config.lora_dropout)
-            attn = attn_implementation_of(engine.module.get_base_model())
-            trained = trained_buffers(engine.module)
-            with modeling.zero3_init_off():
-                report = export_merged(source, adapters, tokenizer, out_dir, probe["input_ids"], attn, trained=trained)
-    return report
-
-
-def trained_buffers(model: torch.nn.Module) -> dict[str, torch.Tensor]:
-    """The persistent buffers of the run's peft model (V3's routing bias, which balancing moves) under the base's
-    own names, on the host (buffers are never partitioned)."""
-    from deepzero.adapters.checkpoint import persistent_buffers
-
-    names = set(persistent_buffers(model))
-    return {n.removeprefix("base_model.model."): b.detach().cpu() for n, b in model.named_buffers() if n in names}
-
-
-def adapter_state_dict(engine: Any) -> dict[str, torch.Tensor]:
-    """The adapters' weights under their peft names, whole, on every rank (ZeRO-3 gathers them: a collective)."""
-    import deepspeed
-
-    named = [(n, p) for n, p in engine.module.named_parameters() if p.requires_grad]
-    with deepspeed.zero.GatheredParameters([p for _, p in named], enabled=engine.zero_optimization_partition_weights()):
-        return {n: p.detach().float().cpu().clone() for n, p in named}

@@ -2,16 +2,16 @@
 state (ZeRO-1), gradients (ZeRO-2) and parameters (ZeRO-3), optionally offloaded to CPU RAM.
 
 LoRA is a model transform applied here, between building the model and ``deepspeed.initialize``, plus an export
-variant that merges the adapters (``deepzero.adapters.lora``). So is sequence parallelism (``deepzero.sequence_parallel``):
-each sequence group's ranks read the same rows, train on their slices of them, and DeepSpeed reduces the gradients
-over its sequence × data-parallel groups (``mpu=parallel_state_sp``).
+variant that merges the adapters (``deepzero.adapters.exporters``: from the base's own files where it has them). So
+is sequence parallelism (``deepzero.sequence_parallel``): each sequence group's ranks read the same rows, train on
+their slices of them, and DeepSpeed reduces the gradients over its sequence × data-parallel groups
+(``mpu=parallel_state_sp``).
 """
 
 from __future__ import annotations
 
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
-from functools import partial
 from pathlib import Path
 from types import SimpleNamespace
 from typing import Any
@@ -26,8 +26,8 @@ from deepzero import modeling
 from deepzero import sequence_parallel as sp
 from deepzero.adapters import checkpoint as adapter_checkpoint
 from deepzero.adapters import quant
+from deepzero.adapters.exporters import lora_exporter
 from deepzero.adapters.lora import LoraSpec, apply_lora
-from deepzero.adapters.lora_export import export_lora_hf
 from deepzero.adapters.partitioned_load import fingerprint, load_in_turns
 from deepzero.dsconfig import BatchMath
 from deepzero.engines.base import Batch, DeepSpeedBacked, ModelFactory, mean_eval_loss
@@ -121,9 +121,9 @@ class ZeroEngine(DeepSpeedBacked):
             from deepspeed.runtime.sequence_parallel import parallel_state_sp as mpu
         engine, *_ = deepspeed.initialize(model=model, model_parameters=params, config=ds_config, mpu=mpu)
         factor = stage3_gradient_factor(engine.optimizer, params[0], sequence.size) if sequence and stage == 3 else 1.0
-        exporter = export_lora_hf if lora is not None else export_hf
-        if four_bit is not None:  # the adapters merged into the 16-bit base read again from the source
-            exporter = partial(quant.export_qlora_hf, source=base_source)
+        exporter: Exporter = export_hf
+        if lora is not None:  # the adapters merged into the 16-bit base read again from its files, where it has them
+            exporter = lora_exporter(model, base_source, four_bit is not None)
         objective = build_objective(preference, grpo, seed)
         built = cls(engine, model, exporter, keep_alive, partitioned, sequence, factor, objective)
         built.four_bit = four_bit
@@ -282,7 +282,8 @@ class ZeroSettings:
     four_bit: quant.FourBit | None = None
     """A 4-bit base under the LoRA adapters (QLoRA), decided with the precision (``run.plan_four_bit``)."""
     base_source: str | None = None
-    """Where the 16-bit base is read again for the QLoRA export (folder or hub id)."""
+    """Where a LoRA run's 16-bit base is read again for its export (folder or hub id; None: a random-init model),
+    shard by shard (``deepzero.adapters.exporters``)."""
 
     def dp_size(self, world: int) -> int:
         if world % self.sequence_parallel:

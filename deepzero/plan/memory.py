@@ -7,6 +7,8 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 
 from deepzero.adapters import quant
+from deepzero.adapters.lora_export import IN_MEMORY_COPIES
+from deepzero.adapters.merge import EXPORT_SHARDS
 from deepzero.plan.activations import activation_bytes, logits_bytes, offloaded_bytes
 from deepzero.plan.arch import ModelStats
 from deepzero.plan.generation import generation_bytes, reference_copy_bytes
@@ -22,11 +24,8 @@ FRAGMENTATION = 0.05
 HOST_PER_RANK = 3 * GiB
 """Host RAM of one training process before any model bytes (Python, torch, CUDA host state)."""
 PUBLISHED_SHARD_BYTES = 9 * 10**9
-"""The largest safetensors shard of the published bases the QLoRA export reads (R1-Distill-Qwen-32B: 8 files and
+"""The largest safetensors shard of the published bases the streamed export reads (R1-Distill-Qwen-32B: 8 files and
 R1-Distill-Llama-70B: 17 files of at most ~8.7 GB)."""
-EXPORT_SHARDS = 4
-"""Shards the shard-by-shard export holds at once: measured about 3-4.4 (the input mapped, the output being built,
-its write; bench/export_memory)."""
 
 
 def gib(n: float) -> str:
@@ -315,16 +314,23 @@ def host_bytes(stats: ModelStats, setup: Setup, rs: RankStates) -> tuple[int, in
         ]
         experts = p * sum(stats.dequantised_experts)
         load = four_bit_base_bytes(stats, setup, adapters=False) + experts + max(reading)
-    export = export_host_bytes(stats, setup) if setup.four_bit else 0  # rank 0, once the others only wait
+    export = export_host_bytes(stats, setup)  # rank 0, once the others only wait
     return procs * HOST_PER_RANK + max(load, host_states, export), host_states, load
 
 
 def export_host_bytes(stats: ModelStats, setup: Setup) -> int:
-    """Host bytes of the QLoRA export (``deepzero.adapters.merge``): a few shards of the 16-bit base at once plus
-    the adapters, whatever the model's size. The shard is the folder's own largest file where the base is on disk
-    (a folder written with one 50 GB file costs that), else the published bases' largest."""
-    shard = stats.largest_shard_bytes or min(PUBLISHED_SHARD_BYTES, setup.bytes_per_value * stats.total)
-    return EXPORT_SHARDS * shard + _adapter_bytes(stats, setup)
+    """Host bytes of rank 0's export of a LoRA or QLoRA run on the ZeRO engine (``deepzero.adapters.exporters``; 0
+    for any other run). From the base's files (a 4-bit base; a pretrained 16-bit one unless the adapters are on the
+    fused experts): a few shards at once plus the adapters, whatever the model's size, the shard being the folder's
+    own largest file where the base is on disk (a folder written with one 50 GB file costs that), else the published
+    bases' largest. Otherwise (a random-init base, adapters on the fused experts) the engine's whole model merged in
+    memory: ``IN_MEMORY_COPIES`` of it in the training dtype."""
+    if not setup.lora_rank or setup.layout is not None:
+        return 0
+    if setup.four_bit or (setup.pretrained and not setup.expert_adapters):
+        shard = stats.largest_shard_bytes or min(PUBLISHED_SHARD_BYTES, setup.bytes_per_value * stats.total)
+        return EXPORT_SHARDS * shard + _adapter_bytes(stats, setup)
+    return int(IN_MEMORY_COPIES * setup.bytes_per_value * stats.total)
 
 
 def estimate(stats: ModelStats, setup: Setup) -> Estimate:

@@ -13,6 +13,7 @@ from typing import TYPE_CHECKING, Any, Literal, Protocol
 
 from transformers import PretrainedConfig
 
+from deepzero.adapters.lora import EXPERTS
 from deepzero.errors import UserError
 from deepzero.plan.arch import Arch
 from deepzero.precision import requested_precision
@@ -188,6 +189,9 @@ class Setup:
     ``ModelStats.four_bit_mask`` marks as NF4 codes plus its quantisation constants, the rest in the training dtype;
     loaded whole on every card under ZeRO-0/1/2, and in host RAM one rank at a time under ZeRO-3, each card keeping
     its partition (``deepzero.adapters.partitioned_load``)."""
+    expert_adapters: bool = False
+    """LoRA on the fused routed experts (``--lora targets=experts``): the export merges the engine's whole model in
+    memory, as for a random-init base, not the base's files shard by shard (``deepzero.adapters.exporters``)."""
 
     @property
     def tokens(self) -> int:
@@ -356,6 +360,7 @@ def run_setup(
             lora_rank=terms.lora.r if terms.lora else 0,
             sequence_parallel=terms.sequence_parallel,
             four_bit=terms.four_bit,
+            expert_adapters=terms.lora is not None and EXPERTS in terms.lora.targets,
         )
     if terms.kind == "pipeline":
         accum_dtype = cfg.ds.get("data_types", {}).get("grad_accum_dtype")
