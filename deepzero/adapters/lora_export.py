@@ -30,10 +30,10 @@ from deepzero.hf_export import (
 IN_MEMORY_COPIES = 2.5
 """Whole models in the training dtype this export holds on rank 0's host at once, as the planner counts it
 (``plan.memory.export_host_bytes``): the engine's consolidated state dict (gathered to the host under ZeRO-3),
-merged in place, and 1.33 models more beside it, measured (save_pretrained's buffers, the written folder reloaded
-for the comparison): 276 MB above the level before the export for a 208 MB bf16 Llama, r8 attention adapters, ZeRO-2
-on the CPU, where the state dict is the engine's own weights. The streamed export of the same run held 102 MB for its
-merge (7 shards of 32 MB), 210 MB with its round trip (two whole models, for bases up to 4 GiB)."""
+merged in place, and about 1.5 models more beside it (save_pretrained's buffers, the written folder reloaded for the
+comparison): ``python -m bench.lora_export_memory`` measured 1.46 × the base above the level before the export (a
+208 MB bf16 Llama, r8 attention adapters, ZeRO-2 on the CPU, where the state dict is the engine's own weights; the
+streamed export of the same run 0.64 × for its merge, 1.29 × with its round trip; docs/qlora.md)."""
 
 
 @dataclass(frozen=True)
