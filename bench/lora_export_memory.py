@@ -13,7 +13,7 @@ peak resident memory above the level before it (sampled every 5 ms):
 - ``streamed``: the exporter train.py chooses for a base with files, the merge from the files shard by shard and its
   logit round trip (two whole models, bases up to 4 GiB only); the ``[export]`` record's ``peak_host_bytes`` is the
   merge alone;
-- ``in memory``: ``exporters.has_base_files`` forced to answer no, so the run merges the engine's whole model (the
+- ``in memory``: ``exporters.files_vocab`` forced to answer None, so the run merges the engine's whole model (the
   way every 16-bit LoRA export went before, and one without files still goes).
 
 Resident memory includes the mapped files' pages and what the allocator keeps, so one run's peak varies by tens of MB

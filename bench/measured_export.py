@@ -3,7 +3,7 @@
     python -m bench.measured_export WAY PEAK_JSON TRAIN_ARGS...
 
 WAY ``streamed`` keeps the exporter train.py chooses for a base with files (``exporters.export_streamed``); ``in
-memory`` makes ``exporters.has_base_files`` answer no, so the run takes the engine's whole-model merge
+memory`` makes ``exporters.files_vocab`` answer None, so the run takes the engine's whole-model merge
 (``exporters.export_lora_hf``), as a base without files does. Either exporter is wrapped in
 ``deepzero.adapters.merge.peak_rss``, and its peak resident memory above the level before the export is written to
 PEAK_JSON as ``{"peak_host_bytes": N}``.
@@ -29,7 +29,7 @@ def measure(way: str, peak_json: Path) -> None:
     """Patch ``deepzero.adapters.exporters`` so that the run exports ``way`` and records the export's peak."""
     name = EXPORTERS[way]
     if way == "in memory":
-        exporters.has_base_files = lambda source: False
+        exporters.files_vocab = lambda source: None
     inner = getattr(exporters, name)
 
     @wraps(inner)

@@ -165,7 +165,8 @@ def plan_run(args: TrainArgs, world: int) -> RunPlan:
     resolve = partial(dsconfig.resolve, args.deepspeed_config, settings.dp_size(world), overrides=overrides,
                       precision=args.precision)  # fmt: skip
     generations = grpo.num_generations if grpo else None
-    cfg, args.max_steps = schedule.resolve_steps(args, hints, meta, generations, resolve, not from_scratch)
+    fine_tune = not from_scratch and not schedule.kept_on_resume(args)  # a resumed WarmupLR run keeps it
+    cfg, args.max_steps = schedule.resolve_steps(args, hints, meta, generations, resolve, fine_tune)
     if warning := schedule.never_peaks(cfg.ds.get("scheduler"), args.max_steps):
         warn(warning)
     settings.check_batch(cfg.batch)

@@ -18,6 +18,7 @@ lr of a LoRA run, and the one-line warning when a schedule never reaches its pea
 from __future__ import annotations
 
 import dataclasses
+import json
 import math
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -107,6 +108,17 @@ def resolve_steps(
         why = f"{FINETUNE_SCHEDULE} decay, the fine-tuning default (--lr-schedule constant keeps the preset's WarmupLR)"
         cfg = dataclasses.replace(cfg, lr_source=f"{cfg.lr_source}; {why}")
     return cfg, max_steps
+
+
+def kept_on_resume(args: TrainArgs) -> bool:
+    """Whether a resumed run keeps the preset's ``WarmupLR`` its checkpoints trained with (a run started with
+    ``--lr-schedule constant``, or before fine-tunes decayed by default): without ``--lr-schedule``, switching to
+    :data:`FINETUNE_SCHEDULE` mid-run would drop the lr at once."""
+    path = args.out_dir / "run_config.json"
+    if not args.resume or args.lr_schedule is not None or not path.is_file():
+        return False
+    scheduler = json.loads(path.read_text()).get("deepspeed", {}).get("scheduler") or {}
+    return scheduler.get("type") == "WarmupLR"
 
 
 def never_peaks(scheduler: dict[str, Any] | None, max_steps: int) -> str | None:

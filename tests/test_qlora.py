@@ -191,6 +191,17 @@ def test_a_resume_onto_another_quant_state_is_refused_in_one_line(base16: Path) 
         state.blocksize, state.quant_type = before[3], before[4]
     assert all(torch.equal(a, b) for a, b in zip(codes, model.parameters(), strict=True))  # the codes never moved
     checkpoint.check_same_base(saved, checkpoint.base_fingerprint(partitioned_load.fingerprint(model), "uint8"), "", "")
+    # A checkpoint written before the QuantState was fingerprinted holds the parameters' record only: still resumable.
+    prints, states = partitioned_load.fingerprint(model), len(quant.quant_states(model))
+    own = checkpoint.base_fingerprint(prints, "uint8", states)
+    params = prints[: len(prints) - states]
+    keep = ("tensors", "crc32", "storage")
+    old = {k: v for k, v in checkpoint.base_fingerprint(params, "uint8").items() if k in keep}
+    checkpoint.check_same_base(old, own, "", "")
+    params[0] ^= 1  # its parameters were another base's
+    other = {k: v for k, v in checkpoint.base_fingerprint(params, "uint8").items() if k in keep}
+    with pytest.raises(UserError, match="was trained on another 4-bit base"):
+        checkpoint.check_same_base(other, own, "", "")
 
 
 @pytest.fixture(scope="module", params=["zero2", "zero3"])

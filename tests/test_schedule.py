@@ -74,6 +74,19 @@ def test_a_fine_tune_decays_by_cosine_unless_told_and_a_random_init_preset_keeps
     assert linear.cfg.ds["scheduler"]["type"] == "WarmupDecayLR"  # a decay the preset asks for is kept
     scratch = planned(tiny_data, tmp_path, "--max-steps", "40")
     assert scratch.cfg.ds["scheduler"]["type"] == "WarmupLR"
+    # A run that trained with WarmupLR (before this default, or told) keeps it on --resume without --lr-schedule.
+    from deepzero.schedule import kept_on_resume
+
+    run = tmp_path / "run"
+    run.mkdir(exist_ok=True)
+    (run / "run_config.json").write_text(json.dumps({"deepspeed": kept.cfg.ds}))
+    argv = [*BASE, "--data", str(tiny_data), "--out", str(run), *common]
+    assert kept_on_resume(parse_args([*argv, "--resume"]))
+    assert not kept_on_resume(parse_args(argv)) and not kept_on_resume(
+        parse_args([*argv, "--resume", "--lr-schedule", "cosine"])
+    )
+    (run / "run_config.json").write_text(json.dumps({"deepspeed": tune.cfg.ds}))
+    assert not kept_on_resume(parse_args([*argv, "--resume"]))  # it decayed: it goes on decaying
 
 
 @pytest.mark.parametrize(

@@ -25,11 +25,22 @@ BASE_KEY = "four_bit_base"
 """The checkpoint's client_state key for the base's fingerprint."""
 
 
-def base_fingerprint(prints: list[int], storage: str) -> dict[str, Any]:
-    """One record for the CRC-32s of the loaded base (``partitioned_load.fingerprint``: every parameter, then every
-    4-bit weight's ``QuantState``; ``tensors`` counts both)."""
-    digest = zlib.crc32(np.asarray(prints, dtype=np.uint32).tobytes())
-    return {"tensors": len(prints), "crc32": f"{digest:08x}", "storage": storage}
+def base_fingerprint(prints: list[int], storage: str, quant_states: int = 0) -> dict[str, Any]:
+    """One record for the CRC-32s of the loaded base (``partitioned_load.fingerprint``: every parameter, then the
+    last ``quant_states`` are every 4-bit weight's ``QuantState``; ``tensors`` counts both). ``params_crc32`` is the
+    parameters' alone: all a checkpoint written before the QuantState was fingerprinted holds."""
+    params = prints[: len(prints) - quant_states]
+    return {
+        "tensors": len(prints),
+        "crc32": f"{_crc(prints):08x}",
+        "storage": storage,
+        "quant_states": quant_states,
+        "params_crc32": f"{_crc(params):08x}",
+    }
+
+
+def _crc(prints: list[int]) -> int:
+    return zlib.crc32(np.asarray(prints, dtype=np.uint32).tobytes())
 
 
 def kept_keys(model: nn.Module) -> set[str]:
@@ -89,6 +100,8 @@ def check_same_base(saved: dict[str, Any] | None, own: dict[str, Any], where: st
             "was not written by a run with a 4-bit base (no base fingerprint in it)",
             "resume it without --load-in-4bit, or start this run in a new --out",
         )
+    if "params_crc32" not in saved:  # written before the QuantState was fingerprinted: its parameters only
+        own = {"tensors": own["tensors"] - own["quant_states"], "crc32": own["params_crc32"], "storage": own["storage"]}
     if saved != own:
         raise UserError(
             where,

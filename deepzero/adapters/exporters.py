@@ -12,12 +12,14 @@ model on rank 0 (``lora_export.export_lora_hf``).
 
 from __future__ import annotations
 
+import json
 from collections.abc import Callable
 from functools import partial
 from pathlib import Path
 from typing import Any
 
 import torch
+import torch.distributed as dist
 
 from deepzero import modeling
 from deepzero.adapters.checkpoint import persistent_buffers
@@ -30,34 +32,31 @@ from deepzero.hf_export import attn_implementation_of
 
 def lora_exporter(model: torch.nn.Module, source: str | None, four_bit: bool = False) -> Callable[..., Any]:
     """The exporter of a run over the peft ``model`` whose base came from ``source`` (None: a random-init model).
-    Streamed (:func:`export_streamed`) for a 4-bit base, and for a 16-bit one with files and adapters on Linear
-    layers only; else the in-memory merge (``export_lora_hf``). Every rank decides alike (same files, same model)."""
+    Streamed (:func:`export_streamed`) for a 4-bit base, and for a 16-bit one with files of the run's vocabulary and
+    adapters on Linear layers only; else the in-memory merge (``export_lora_hf``). Rank 0 decides and tells the others
+    (the two exports gather different tensors: the ranks must agree)."""
     if four_bit:
         return partial(export_streamed, source=source)
-    if model.peft_config["default"].target_parameters or not has_base_files(source) or resized(model, source):
-        return export_lora_hf
-    return partial(export_streamed, source=source)
+    streamed: list[bool | None] = [None]
+    if not dist.is_initialized() or dist.get_rank() == 0:
+        vocab = model.get_base_model().config.get_text_config().vocab_size
+        streamed[0] = not model.peft_config["default"].target_parameters and files_vocab(source) == vocab
+    if dist.is_initialized():
+        dist.broadcast_object_list(streamed, src=0)
+    return partial(export_streamed, source=source) if streamed[0] else export_lora_hf
 
 
-def resized(model: torch.nn.Module, source: str | None) -> bool:
-    """Whether the run's vocabulary differs from the files' (embeddings resized for the tokenizer): the files lack
-    the new rows, which only the engine's whole model has."""
-    from transformers import AutoConfig
-
-    files = AutoConfig.from_pretrained(source).get_text_config().vocab_size
-    return model.get_base_model().config.get_text_config().vocab_size != files
-
-
-def has_base_files(source: str | None) -> bool:
-    """Whether ``source`` has the 16-bit safetensors weights the streamed export reads (``merge.base_files``
-    without its one-line errors: a quantised checkpoint or pickled weights have none)."""
+def files_vocab(source: str | None) -> int | None:
+    """The vocabulary of the 16-bit safetensors base the streamed export reads from ``source`` (its config.json);
+    None where there is none (a random-init model, a quantised checkpoint, pickled weights). A run whose embeddings
+    were resized for the tokenizer has rows the files lack: its vocabulary differs."""
     if not source:
-        return False
+        return None
     try:
-        base_files(source)
+        config = json.loads(base_files(source).config.read_text())
     except UserError:
-        return False
-    return True
+        return None
+    return (config.get("text_config") or config).get("vocab_size")
 
 
 @torch.no_grad()

@@ -115,6 +115,8 @@ def prepare(
             settings["chat_template_sha256"] = _sha(Path(chat_template).read_text(encoding="utf-8"))
     if max_completion_length is not None:
         settings["max_completion_length"] = max_completion_length
+    if fmt == "preference":  # 2: pairs render with chat_render.pair_template (R1 reasoning kept); older folders redo
+        settings["pair_render"] = 2
     if tokenizer == "train":
         settings["tokenizer_sample_mb"] = tokenizer_sample_mb
     if val_inputs:

@@ -128,7 +128,8 @@ class ZeroEngine(DeepSpeedBacked):
         built = cls(engine, model, exporter, keep_alive, partitioned, sequence, factor, objective)
         built.four_bit = four_bit
         if four_bit is not None and prints is not None:
-            built.base_print = adapter_checkpoint.base_fingerprint(prints, four_bit.storage)
+            states = len(quant.quant_states(model))
+            built.base_print = adapter_checkpoint.base_fingerprint(prints, four_bit.storage, states)
             built.base_source = base_source or ""
         return built
 
