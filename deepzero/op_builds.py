@@ -44,10 +44,15 @@ def build_root() -> Path:
 
 def stale_locks(root: Path | None = None, now: float | None = None) -> list[Path]:
     """Lock files of op builds older than STALE_AFTER_S, oldest first."""
+    return [lock for _, lock in stale_ages(root, now)]
+
+
+def stale_ages(root: Path | None = None, now: float | None = None) -> list[tuple[float, Path]]:
+    """``(modification time, lock)`` of the op build locks older than STALE_AFTER_S, oldest first; each read once."""
     root = root or build_root()
     now = time.time() if now is None else now
     aged = [(mtime, lock) for lock in op_locks(root) if (mtime := modified(lock)) is not None]
-    return [lock for mtime, lock in sorted(aged) if now - mtime > STALE_AFTER_S]
+    return [(mtime, lock) for mtime, lock in sorted(aged) if now - mtime > STALE_AFTER_S]
 
 
 def modified(lock: Path) -> float | None:
@@ -94,10 +99,8 @@ def check_op_builds(root: Path | None = None) -> None:
     """Clear the locks killed builds left (:func:`claim_op_builds`); refuse to start behind one too old to be a
     live build's: that launch would hang with no message."""
     claim_op_builds(root)
-    for lock in stale_locks(root):
-        mtime = modified(lock)
-        if mtime is None:
-            continue  # released meanwhile
+    if stale := stale_ages(root):
+        mtime, lock = stale[0]
         started = time.strftime("%Y-%m-%d %H:%M", time.gmtime(mtime))
         raise UserError(
             str(lock),
