@@ -41,38 +41,30 @@ PRINTED = (re.compile(r"DeepSpeed \S+ built successfully"),)
 """Whole lines that DeepSpeed prints (not logs) and :func:`printed_lines_dropped` drops."""
 
 
-class _DropMessages(logging.Filter):
-    """Drops records whose message is exactly one of ``messages``."""
+class _Drop(logging.Filter):
+    """Drops records whose message is exactly one of ``exact`` or starts with one of ``prefixes``."""
 
-    def __init__(self, messages: frozenset[str]) -> None:
+    def __init__(self, exact: frozenset[str] = frozenset(), prefixes: tuple[str, ...] = ()) -> None:
         super().__init__()
-        self.messages = messages
+        self.exact, self.prefixes = exact, prefixes
 
     def filter(self, record: logging.LogRecord) -> bool:
-        return record.getMessage() not in self.messages
+        message = record.getMessage()
+        return message not in self.exact and not message.startswith(self.prefixes)
 
 
-class _DropPrefixes(logging.Filter):
-    """Drops records whose message starts with one of ``prefixes``."""
-
-    def __init__(self, prefixes: tuple[str, ...]) -> None:
-        super().__init__()
-        self.prefixes = prefixes
-
-    def filter(self, record: logging.LogRecord) -> bool:
-        return not record.getMessage().startswith(self.prefixes)
+LOGGED = {DEEPSPEED_LOGGER: _Drop(exact=DEEPSPEED_MESSAGES), BITSANDBYTES_LOGGER: _Drop(prefixes=BITSANDBYTES_PREFIXES)}
+"""Each library logger's filter (bitsandbytes' set before it is imported: its notice comes at import)."""
 
 
 def install() -> None:
     """Install the filters (idempotent: a second call adds nothing)."""
     for pattern in FUTURE_WARNINGS:
         warnings.filterwarnings("ignore", message=pattern, category=FutureWarning)  # de-duplicated by warnings
-    logger = logging.getLogger(DEEPSPEED_LOGGER)
-    if not any(isinstance(f, _DropMessages) for f in logger.filters):
-        logger.addFilter(_DropMessages(DEEPSPEED_MESSAGES))
-    bnb = logging.getLogger(BITSANDBYTES_LOGGER)  # before bitsandbytes is imported: the notice comes at import
-    if not any(isinstance(f, _DropPrefixes) for f in bnb.filters):
-        bnb.addFilter(_DropPrefixes(BITSANDBYTES_PREFIXES))
+    for name, drop in LOGGED.items():
+        logger = logging.getLogger(name)
+        if drop not in logger.filters:
+            logger.addFilter(drop)
 
 
 @contextlib.contextmanager
