@@ -13,7 +13,7 @@ import huggingface_hub
 import pytest
 from conftest import REPO, prepare
 
-from deepzero import run
+from deepzero import precision, run
 from deepzero.args import parse_args
 from deepzero.presets import PRESETS
 
@@ -100,6 +100,10 @@ def test_a_documented_command_fits_3_cards_of_24_gib(
         planned.update(args=args, kwargs=kwargs)
 
     monkeypatch.setattr(run, "check_fit", capture)  # without CUDA it would plan nothing: asked again below
+    # planned as on the 4090s the commands are for, whatever this CPU computes natively (fp32 on one without
+    # AVX512-BF16 would double every 16-bit term)
+    gpu = precision.DeviceKernels("cuda", "NVIDIA GeForce RTX 4090", True, True, "compute capability 8.9")
+    monkeypatch.setattr(precision, "probe", lambda: gpu)
     monkeypatch.setattr(run, "check_disk", lambda *args, **kwargs: None)
     monkeypatch.setattr(huggingface_hub.constants, "HF_HUB_OFFLINE", True)  # no hub here: no request, no retries
     warnings: list[str] = []
