@@ -12,7 +12,9 @@ selection margin between the experts that swapped is at most twice the largest c
 moves a deep router's logits by more than any fixed number of units, and a flip on a near-tie is then still a tie.
 Any other flip (a routing bias left out of the adapter folder, another router weight) fails the check even where it
 barely moves the logits. A near-tie flip sends the token to other experts and may move its logits by far more: such
-tokens are exempt from the tolerance, at most ``TIE_SHARE`` of the tokens (at least one), and counted in the record.
+tokens are exempt from the tolerance and counted in the record. How many there are is not bounded: it depends on
+the router (a tiny random one has near-ties everywhere) and on the CPU's rounding, not on the export; each one is
+checked to be a tie.
 """
 
 from __future__ import annotations
@@ -36,8 +38,6 @@ to 18 units, the merged weights' rounding carried through every layer; one lora_
 also gets ``logit_tolerance``'s 1e-4 floor."""
 CROSS_DEVICE_ULPS = 64.0
 """The same for an engine that ran on a GPU against its export reloaded on the CPU (other kernels, other sums)."""
-TIE_SHARE = 0.01
-"""The share of tokens (at least one) over the tolerance that near-tie routing flips may excuse."""
 
 
 @dataclass(frozen=True)
@@ -170,29 +170,25 @@ class TokenGaps:
     near_tie_flips: int = 0
     """Of those, the flips on a near-tie (every flip must be one)."""
     exempt_tokens: int = 0
-    """Tokens over the tolerance that are near-tie flips (at most ``TIE_SHARE`` of the tokens, at least one)."""
+    """Tokens over the tolerance that are near-tie flips."""
 
     @property
     def logits_ok(self) -> bool:
         over, exempt = self.tokens_over_tolerance, self.exempt_tokens
         ties_only = self.routing_flips == self.near_tie_flips
-        return ties_only and over == exempt <= allowed_exempt(self.tokens_compared)
+        return ties_only and over == exempt
 
     def logits_why(self, against: str) -> str:
         """What failed in the logit round trip, in one line."""
         tokens, flips, ties = self.tokens_compared, self.routing_flips, self.near_tie_flips
         routing = f"; {flips - ties} of {tokens} tokens chose other experts, not on a near-tie" if flips > ties else ""
-        exempt = f", {self.exempt_tokens} near-tie flips (at most {allowed_exempt(tokens)} exempt)"
+        exempt = f", {self.exempt_tokens} of them near-tie flips (exempt)"
         return (
             f"{against}: {self.tokens_over_tolerance} of {tokens} tokens over tolerance {self.tolerance:.3g}"
             f" ({self.dtype}){exempt if self.exempt_tokens else ''}{routing}; per-token max |Δlogit| max"
             f" {self.max_abs_logit_diff:.3g}, p99 {self.p99_token_logit_diff:.3g}, median"
             f" {self.median_token_logit_diff:.3g}"
         )
-
-
-def allowed_exempt(tokens: int) -> int:
-    return max(1, math.floor(TIE_SHARE * tokens))
 
 
 def token_gaps(
