@@ -71,6 +71,8 @@ class TrainArgs:
         ),
     )
     warmup_steps: int | None = field(default=None, **_help("Override the scheduler's warmup_num_steps."))
+    replaced: list[str] = field(default_factory=list, init=False)
+    """The recipe values (``--config``) the command line replaced, for the header; not a flag."""
     warmup_ratio: float | None = field(
         default=None,
         **_help("Warm-up as a share of the run's steps (ceil(ratio x steps), as TRL's warmup_ratio); e.g. 0.03."),
@@ -402,14 +404,31 @@ def generation_kwargs(text: str | None) -> dict[str, Any]:
 _KWARGS_EXAMPLE = """pass an object, e.g. '{"no_repeat_ngram_size": 3}'"""
 
 
+OVERRIDDEN_BY = {"epochs": "max_steps", "max_steps": "epochs", "warmup_ratio": "warmup_steps", "warmup_steps": "warmup_ratio"}
+"""A recipe key the command line's other flag replaces, as in Transformers' TrainingArguments (``max_steps``
+overrides ``num_train_epochs``, ``warmup_steps`` overrides ``warmup_ratio``; and the reverse when the flag given is
+the recipe's other one)."""
+
+
+def _given(argv: list[str]) -> set[str]:
+    """The flags named in ``argv`` (``--max-steps 2``, ``--max_steps=2``), as dataclass field names."""
+    return {a[2:].split("=", 1)[0].replace("-", "_") for a in argv if a.startswith("--")}
+
+
 def recipe_argv(argv: list[str], flags: type = TrainArgs, program: str = "train.py") -> list[str]:
     """The flags a ``--config FILE`` in ``argv`` stands for (none without one), keys checked against the dataclass
-    ``flags`` (train.py's :class:`TrainArgs`, evaluate.py's ``JobArgs``); an unknown key is one line."""
+    ``flags`` (train.py's :class:`TrainArgs`, evaluate.py's ``JobArgs``); an unknown key is one line. A recipe key
+    whose counterpart the command line gives (:data:`OVERRIDDEN_BY`) is left out."""
+    return _recipe(argv, flags, program)[0]
+
+
+def _recipe(argv: list[str], flags: type, program: str) -> tuple[list[str], list[str]]:
+    """:func:`recipe_argv`'s flags, and each recipe value the command line replaced (``key: value → --flag``)."""
     path = next((a.split("=", 1)[1] for a in argv if a.startswith("--config=")), None)
     if path is None and "--config" in argv[:-1]:
         path = argv[argv.index("--config") + 1]
     if path is None:
-        return []
+        return [], []
     try:
         text = Path(path).read_text(encoding="utf-8")
     except OSError as err:
@@ -424,8 +443,9 @@ def recipe_argv(argv: list[str], flags: type = TrainArgs, program: str = "train.
         raise UserError(path, f"is not valid YAML/JSON ({str(err).splitlines()[0]})", "fix the file") from None
     if not isinstance(values, dict):
         raise UserError(path, "is not a mapping of flags", "write key: value lines (see recipes/)")
-    known = {f.name for f in fields(flags)} - {"config"}
-    out = []
+    known = {f.name for f in fields(flags) if f.init} - {"config"}
+    given = _given(argv)
+    out, replaced = [], []
     for key, value in values.items():
         name = str(key).replace("-", "_")
         if name not in known:
@@ -435,9 +455,13 @@ def recipe_argv(argv: list[str], flags: type = TrainArgs, program: str = "train.
             )
         if value is None:
             continue
+        if (by := OVERRIDDEN_BY.get(name)) in given or name in given:
+            replaced.append(f"{name}: {value} → --{(name if name in given else by).replace('_', '-')}")
+            if name not in given:
+                continue
         items = value if isinstance(value, list) else [value]
         out += [f"--{name}", *(str(v).lower() if isinstance(v, bool) else str(v) for v in items)]
-    return out
+    return out, replaced
 
 
 def parse_args(argv: list[str] | None = None) -> TrainArgs:
@@ -445,7 +469,8 @@ def parse_args(argv: list[str] | None = None) -> TrainArgs:
     from transformers import HfArgumentParser
 
     argv = list(sys.argv[1:] if argv is None else argv)
-    argv = [*recipe_argv(argv), *argv]  # a recipe's values first: the command line's own flags come later and win
+    recipe, replaced = _recipe(argv, TrainArgs, "train.py")
+    argv = [*recipe, *argv]  # a recipe's values first: the command line's own flags come later and win
     parser = HfArgumentParser(TrainArgs, description="Train a DeepSeek-family model with DeepSpeed ZeRO.")
     parser.error = _flag_error  # argparse prints usage and its own error line, then exits: make it ours
     for action in parser._actions:  # --ds a=1 --ds b=2 keeps both (argparse's nargs="+" keeps only the last)
@@ -460,5 +485,6 @@ def parse_args(argv: list[str] | None = None) -> TrainArgs:
         close = difflib.get_close_matches(flags[0], known, n=1)
         hint = f"did you mean {close[0]}?" if close else "see python train.py --help"
         raise UserError("train.py", f"unknown argument {' '.join(rest)}", hint)
+    args.replaced = replaced
     args.check()
     return args

@@ -121,6 +121,8 @@ def print_header(run: RunView, model_name: str) -> None:
             else "not reported (no known peak: pass --peak-tflops)"
         ),
     ]
+    if run.args.replaced:
+        lines.append(f"recipe: {run.args.config}; the command line replaced {', '.join(run.args.replaced)}")
     if run.state.step:
         lines.append(f"resumed from step {run.state.step} ({run.state.tokens_seen:,} tokens seen)")
     print("\n".join(lines), flush=True)

@@ -48,6 +48,15 @@ FAKE_CPU = REPO / "tests" / "fake_cpu"
 
 NATIVE_16BIT = DeviceKernels("cpu", "a test CPU", fp16=True, bf16=True, detail="faked")
 """For in-process resolve() calls whose expectations must not depend on the machine: presets keep their types."""
+A_4090 = DeviceKernels("cuda", "NVIDIA GeForce RTX 4090", fp16=True, bf16=True, detail="compute capability 8.9")
+
+
+def plan_as_on_4090s(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Plan a command for the cards it is written for, whatever this CPU computes natively (a bf16 preset resolves to
+    fp32 on a CPU without AVX512-BF16, doubling every 16-bit term of the plan)."""
+    from deepzero import precision
+
+    monkeypatch.setattr(precision, "probe", lambda: A_4090)
 
 
 def bf16_precision() -> str:

@@ -11,9 +11,9 @@ from pathlib import Path
 
 import huggingface_hub
 import pytest
-from conftest import REPO, prepare
+from conftest import REPO, plan_as_on_4090s, prepare
 
-from deepzero import precision, run
+from deepzero import run
 from deepzero.args import parse_args
 from deepzero.presets import PRESETS
 
@@ -100,10 +100,7 @@ def test_a_documented_command_fits_3_cards_of_24_gib(
         planned.update(args=args, kwargs=kwargs)
 
     monkeypatch.setattr(run, "check_fit", capture)  # without CUDA it would plan nothing: asked again below
-    # planned as on the 4090s the commands are for, whatever this CPU computes natively (fp32 on one without
-    # AVX512-BF16 would double every 16-bit term)
-    gpu = precision.DeviceKernels("cuda", "NVIDIA GeForce RTX 4090", True, True, "compute capability 8.9")
-    monkeypatch.setattr(precision, "probe", lambda: gpu)
+    plan_as_on_4090s(monkeypatch)
     monkeypatch.setattr(run, "check_disk", lambda *args, **kwargs: None)
     monkeypatch.setattr(huggingface_hub.constants, "HF_HUB_OFFLINE", True)  # no hub here: no request, no retries
     warnings: list[str] = []

@@ -13,7 +13,7 @@ from pathlib import Path
 
 import huggingface_hub
 import pytest
-from conftest import REPO, launch, prepare, records
+from conftest import REPO, launch, plan_as_on_4090s, prepare, records
 
 from deepzero import run
 from deepzero.args import parse_args
@@ -63,12 +63,27 @@ def test_a_recipe_plans_to_fit_and_peaks(recipe: Path, tmp_path: Path, monkeypat
     monkeypatch.setattr(run, "check_disk", lambda *args, **kwargs: None)
     monkeypatch.setattr(run, "warn", warnings.append)
     monkeypatch.setattr(huggingface_hub.constants, "HF_HUB_OFFLINE", True)
+    plan_as_on_4090s(monkeypatch)
     args = parse_args(argv)
     assert args.data == str(data) and args.model in recipe.read_text()  # the command line overrides the recipe
     run.plan_run(args, 3)
     assert planned, recipe.name
     assert real_check(*planned["args"], **planned["kwargs"] | {"gpu_mem_gb": 24, "cpu_mem_gb": 128}) is None
     assert not [w for w in warnings if "never reaches its peak" in w], warnings
+
+
+@pytest.mark.parametrize("recipe", TRAIN, ids=[r.stem for r in TRAIN])
+def test_flags_override_a_recipe_as_training_arguments_do(recipe: Path) -> None:
+    """--max-steps beats the recipe's epochs and --warmup-steps its warmup_ratio (Transformers' TrainingArguments:
+    max_steps overrides num_train_epochs, warmup_steps overrides warmup_ratio), and the reverse; each replaced value
+    is named."""
+    text = recipe.read_text()
+    args = parse_args(["--config", str(recipe), "--max-steps", "2", "--warmup-steps", "1"])
+    assert (args.max_steps, args.warmup_steps, args.epochs, args.warmup_ratio) == (2, 1, None, None)
+    assert ("\nepochs:" in text) == any(r.startswith("epochs:") for r in args.replaced)
+    assert ("\nwarmup_ratio:" in text) == any(r.startswith("warmup_ratio:") for r in args.replaced)
+    back = parse_args(["--config", str(recipe), "--epochs", "1", "--warmup-ratio", "0.1"])
+    assert (back.epochs, back.warmup_ratio, back.warmup_steps) == (1.0, 0.1, None)
 
 
 def test_an_unknown_recipe_key_is_one_line(tmp_path: Path) -> None:
@@ -152,21 +167,24 @@ def chat_model(tmp_path_factory: pytest.TempPathFactory) -> dict:
 @pytest.mark.launcher
 @pytest.mark.parametrize("recipe", ["r1-distill-qwen-7b-lora-sft", "r1-distill-qwen-14b-qlora-sft"])
 def test_a_tiny_stand_in_of_the_sft_recipes_trains(recipe: str, tiny_data: Path, tmp_path: Path) -> None:
-    """The LoRA and QLoRA SFT recipes' own flags (LoRA r16 on attn and mlp, the 4-bit NF4 base, warm-up ratio,
-    cosine, checkpointing) on a tiny random Llama saved in bf16, 10 steps of micro-batch 1: the loss falls (and the
-    QLoRA one's header names its 4-bit base)."""
+    """The LoRA and QLoRA SFT recipes' own flags (LoRA r16 on attn and mlp, the 4-bit NF4 base, cosine,
+    checkpointing) on a tiny random Llama saved in bf16, 10 steps of micro-batch 1: ``--max-steps 10 --warmup-steps
+    1`` replace the recipe's ``epochs`` and ``warmup_ratio`` as Transformers' TrainingArguments would (the header
+    names both), it trains exactly 10 steps, the loss falls (and the QLoRA one's header names its 4-bit base)."""
     from test_qlora import pretrained
 
     base = pretrained(tmp_path / "base")
     out = tmp_path / "run"
     proc = launch([
         "--config", f"recipes/{recipe}.yaml", *LOCAL, "--model", str(base), "--data", str(tiny_data), "--out",
-        str(out), "--allow-tokenizer-change", "--micro-batch", "1", "--grad-accum", "1", "--epochs",
-        epochs_for(10, tiny_data, RANKS), "--lr", "1e-2",
+        str(out), "--allow-tokenizer-change", "--micro-batch", "1", "--grad-accum", "1", "--max-steps", "10",
+        "--warmup-steps", "1", "--lr", "1e-2",
     ], nproc=RANKS)  # fmt: skip
     assert ("base in 4 bits (NF4" in proc.stdout) == ("qlora" in recipe), proc.stdout[-3000:]
-    curve = [r["loss"] for r in records(out)]
-    assert len(curve) >= 10 and sum(curve[-3:]) / 3 < sum(curve[:3]) / 3, curve
+    assert "epochs: 2 → --max-steps" in proc.stdout and "warmup_ratio: 0.03 → --warmup-steps" in proc.stdout
+    steps = records(out)
+    curve = [r["loss"] for r in steps]
+    assert steps[-1]["step"] == 10 and sum(curve[-3:]) / 3 < sum(curve[:3]) / 3, curve
 
 
 @pytest.mark.launcher
