@@ -20,7 +20,7 @@ TEST_WORKERS ?= 2
 ACCELERATOR ?= $(shell $(BIN)/python -c "import torch; print('cuda' if torch.cuda.is_available() else 'cpu')")
 LAUNCH = PATH="$(CURDIR)/$(BIN):$$PATH" DS_ACCELERATOR=$(ACCELERATOR) deepspeed --log_level=error --num_gpus=$(NUM_GPUS)
 
-.PHONY: setup data train sft sft-long dpo grpo grpo-math grpo-code eval eval-code sample test lint plan doctor plot bench bench-gpu clean
+.PHONY: setup lighteval data train sft sft-long dpo grpo grpo-math grpo-code eval eval-code sample test lint plan doctor plot bench bench-gpu clean
 
 setup: $(VENV)/.installed
 
@@ -188,7 +188,19 @@ eval-code: setup
 		--reward code --samples 8
 	$(BIN)/python -m deepzero.rollout.compare $(CODE_EVAL_OUT)/before $(CODE_EVAL_OUT)/after
 
-test: setup
+# lighteval 0.13 in its own venv (it pins latex2sympy2_extended 1.0.6, math-verify 0.9 pins 1.11.0): the benchmark
+# verdicts (evaluate.py / deepzero.score --benchmark) come from its own metric code (docs/evaluate.md). About 2 GB.
+LIGHTEVAL_VENV := .venv-lighteval
+lighteval: $(LIGHTEVAL_VENV)/.installed
+
+$(LIGHTEVAL_VENV)/.installed:
+	test -x $(LIGHTEVAL_VENV)/bin/python || $(PYTHON) -m venv $(LIGHTEVAL_VENV)
+	$(LIGHTEVAL_VENV)/bin/python -m pip install -q --upgrade pip
+	$(LIGHTEVAL_VENV)/bin/python -m pip install -q "$(TORCH_SPEC)"
+	$(LIGHTEVAL_VENV)/bin/python -m pip install -q "lighteval==0.13.0"
+	touch $@
+
+test: setup lighteval
 	$(BIN)/python -m pytest $(if $(filter-out 1,$(TEST_WORKERS)),-n $(TEST_WORKERS) --dist loadfile) $(PYTEST_ARGS) tests; rc=$$?; \
 	if [ $$rc -eq 5 ]; then echo "pytest collected no tests"; exit 1; fi; exit $$rc
 

@@ -404,7 +404,12 @@ def generation_kwargs(text: str | None) -> dict[str, Any]:
 _KWARGS_EXAMPLE = """pass an object, e.g. '{"no_repeat_ngram_size": 3}'"""
 
 
-OVERRIDDEN_BY = {"epochs": "max_steps", "max_steps": "epochs", "warmup_ratio": "warmup_steps", "warmup_steps": "warmup_ratio"}
+OVERRIDDEN_BY = {
+    "epochs": "max_steps",
+    "max_steps": "epochs",
+    "warmup_ratio": "warmup_steps",
+    "warmup_steps": "warmup_ratio",
+}
 """A recipe key the command line's other flag replaces, as in Transformers' TrainingArguments (``max_steps``
 overrides ``num_train_epochs``, ``warmup_steps`` overrides ``warmup_ratio``; and the reverse when the flag given is
 the recipe's other one)."""

@@ -111,6 +111,12 @@ def score(args: argparse.Namespace) -> dict[str, Any]:
             if not 0 <= index < len(rows):
                 raise UserError(f"--samples {args.samples}", f"index {index} is not a prompt of --data", "fix it")
             k = len(texts)
+            if args.pass_k and (big := max(args.pass_k)) > k:
+                raise UserError(
+                    f"--pass-k {big}",
+                    f"prompt {index} of {args.samples} has {k} completions, fewer than k",
+                    f"pass k's up to {k}, or sample more",
+                )
             ids = line.get("completion_ids") or [[0] * n for n in line.get("lengths", [0] * k)]
             cut = line.get("truncated", [False] * k)
             (new,) = judge.lines(rows, [index], k, texts, ids, cut)
@@ -122,6 +128,10 @@ def score(args: argparse.Namespace) -> dict[str, Any]:
     if unknown["lengths"]:  # lengths and cuts the samples do not give are not figures
         summary |= {"mean_length": None, "max_length": None, "truncated_share": None}
     summary |= {"correct": str(judge.correct), "reward": args.reward, "benchmark": args.benchmark}
+    if bench is not None and bench.scoring in ("math", "letters"):
+        from deepzero.rollout.lighteval_verdicts import verdicts_by
+
+        summary["verdicts"] = verdicts_by()
     summary |= {"samples": str(args.samples), "data": args.data}
     write_atomic(out / "summary.json", json.dumps(summary, indent=2))
     if error := scored_nothing(summary, args.benchmark, args.reward):

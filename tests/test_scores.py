@@ -84,13 +84,18 @@ def test_rescored_completions_give_lightevals_figures_to_the_last_digit(case: di
         assert expected["per_prompt"]["pass@2"][i] == pytest.approx(enumerated_pass_at_k(n, c, 2), abs=1e-12)
 
 
-def test_cons_lets_every_sample_vote_and_groups_answers_math_verify_calls_equal(tmp_path: Path) -> None:
+@pytest.mark.parametrize("verdicts", ["lighteval", "port"])
+def test_cons_lets_every_sample_vote_and_groups_answers_math_verify_calls_equal(verdicts: str, tmp_path: Path) -> None:
     """cons@8 on the AIME case, prompt by prompt: six unparsed samples outvote two right ones (wrong); \\frac{1}{2},
     0.5 and 1/2 vote together and beat two \\boxed{3} (right, where lighteval's maj@8 on texts is wrong); a gold that
-    does not parse (0, counted); a 3-3 tie goes to the answer seen first (right); eight equal right texts (right);
-    204, "204." and 204.0 against three 205s, 204 seen first (right)."""
+    does not parse (0: lighteval scores its samples 0, the port leaves them unscored, counted wrong); a 3-3 tie goes
+    to the answer seen first (right); eight equal right texts (right); 204, "204." and 204.0 against three 205s, 204
+    seen first (right). Verdicts by lighteval's own metric (its venv), or by the project's port without it."""
     data, samples = case_files(AIME, tmp_path)
-    proc = score("--samples", samples, "--data", data, "--benchmark", "aime24", "--out", tmp_path / "o")
+    cmd = ["-m", "deepzero.score", "--samples", str(samples), "--data", str(data), "--benchmark", "aime24"]
+    env = cpu_env(**({"DEEPZERO_LIGHTEVAL_PYTHON": "none"} if verdicts == "port" else {}))
+    proc = subprocess.run([sys.executable, *cmd, "--out", str(tmp_path / "o")], cwd=REPO, capture_output=True,
+                          text=True, env=env)  # fmt: skip
     assert proc.returncode == 0, proc.stderr
     lines = [json.loads(x) for x in (tmp_path / "o" / "samples.jsonl").read_text().splitlines()]
     assert [consensus_correct(x["votes"], x["correct"]) for x in lines] == [False, True, False, True, True, True]
@@ -98,8 +103,16 @@ def test_cons_lets_every_sample_vote_and_groups_answers_math_verify_calls_equal(
     assert maj == [False, False, False, True, True, False]
     assert lines[1]["votes"][:5] == [0, 0, 0, 3, 3] and lines[0]["votes"].count(None) == 6
     summary = json.loads((tmp_path / "o" / "summary.json").read_text())
-    assert summary["cons@8"] == pytest.approx(4 / 6) and summary["prompts_unscored"] == 1
-    assert summary["samples_unscored"] == 8 and "8 samples unscored (1 prompts wholly), counted as wrong" in proc.stdout
+    assert summary["cons@8"] == pytest.approx(4 / 6)
+    if verdicts == "port":
+        assert summary["prompts_unscored"] == 1 and summary["verdicts"].startswith("math-verify")
+        assert (
+            summary["samples_unscored"] == 8
+            and "8 samples unscored (1 prompts wholly), counted as wrong" in proc.stdout
+        )
+        assert "warning: benchmark verdicts by math-verify" in proc.stderr
+    else:
+        assert summary["prompts_unscored"] == 0 and summary["verdicts"] == "lighteval 0.13.0"
 
 
 def test_majority_ties_go_to_the_first_vote_seen_and_no_answer_can_win() -> None:
@@ -154,3 +167,45 @@ def test_conditions_read_the_total_or_a_reward_and_bad_ones_are_one_line() -> No
         Condition.parse("acc>=1", ["accuracy"], "--keep")
     with pytest.raises(UserError, match=r"--correct reward: is not NAME OP NUMBER"):
         Condition.parse("reward", ["accuracy"], "--correct")
+
+
+def test_reasoning_is_removed_before_the_verdict_as_lightevals_pipeline_does(tmp_path: Path) -> None:
+    """lighteval's pipeline drops <think>...</think> from every response before pass@k: a box inside the reasoning
+    is not the answer (issue 58's case: lighteval 1, the project 0 before)."""
+    records = [{"problem": "p", "answer": "7"}]
+    completions = ["<think>\\boxed{5}</think>The answer is 7.", "<think>\\boxed{7}</think>The answer is 5."]
+    (tmp_path / "r.jsonl").write_text(json.dumps(records[0]) + "\n")
+    (tmp_path / "s.jsonl").write_text(json.dumps({"index": 0, "completions": completions}) + "\n")
+    cmd = [sys.executable, "-m", "deepzero.score", "--samples", str(tmp_path / "s.jsonl"), "--benchmark", "aime24"]
+    cmd += ["--data", str(tmp_path / "r.jsonl"), "--out", str(tmp_path / "o")]
+    proc = subprocess.run(cmd, cwd=REPO, capture_output=True, text=True, env=cpu_env())
+    assert proc.returncode == 0, proc.stderr
+    (line,) = [json.loads(x) for x in (tmp_path / "o" / "samples.jsonl").read_text().splitlines()]
+    assert line["correct"] == [True, False]
+
+
+def test_gpqa_is_the_multiple_choice_test_a_lighteval_run_builds() -> None:
+    """Six records in the Hub layout: the correct answer at D A A A A A (the pipeline's random.seed(1234), one
+    randint(0, 3) per record in order), in lighteval's query, rendered as its prompt manager sends the user turn
+    (the instruction put back in front of the question with no separator)."""
+    from deepzero.rollout.benchmarks import BENCHMARKS, GPQA_INSTRUCTION
+
+    rows = [
+        {"Question": f" Q{i}? ", "Correct Answer": "right", "Incorrect Answer 1": "w1", "Incorrect Answer 2": "w2",
+         "Incorrect Answer 3": "w3"}
+        for i in range(6)
+    ]  # fmt: skip
+    records = BENCHMARKS["gpqa_diamond"].records(rows, "gpqa.jsonl")
+    assert "".join(r["gold"] for r in records) == "DAAAAA"
+    assert records[0]["prompt"][0]["content"] == GPQA_INSTRUCTION + "Q0?\n\nA) w1\nB) w2\nC) w3\nD) right"
+    assert records[1]["prompt"][0]["content"] == GPQA_INSTRUCTION + "Q1?\n\nA) right\nB) w1\nC) w2\nD) w3"
+
+
+def test_pass_k_above_the_samples_is_one_line(tmp_path: Path) -> None:
+    """--pass-k larger than a prompt's completions: one line naming it, never a figure silently dropped."""
+    (tmp_path / "r.jsonl").write_text(json.dumps({"problem": "p", "answer": "7"}) + "\n")
+    (tmp_path / "s.jsonl").write_text(json.dumps({"index": 0, "completions": ["7", "8"]}) + "\n")
+    cmd = [sys.executable, "-m", "deepzero.score", "--samples", str(tmp_path / "s.jsonl"), "--benchmark", "aime24"]
+    cmd += ["--data", str(tmp_path / "r.jsonl"), "--out", str(tmp_path / "o"), "--pass-k", "1", "4"]
+    proc = subprocess.run(cmd, cwd=REPO, capture_output=True, text=True, env=cpu_env())
+    assert proc.returncode == 2 and proc.stderr.strip().splitlines()[-1].startswith("error: --pass-k 4: prompt 0")

@@ -7,13 +7,18 @@ template, gold answer and scoring for each (``lighteval/tasks/tasks/{aime,math_5
   decimals.
 - ``math500`` (``HuggingFaceH4/MATH-500``): ``problem`` in lighteval's ``MATH_QUERY_TEMPLATE``, gold ``ANSWER:
   {solution}``, scored as AIME.
-- ``gpqa_diamond`` (``Idavidrein/gpqa``, ``gpqa_diamond``): the question and its four answers shuffled (the correct
-  one at ``random.Random(record index).randint(0, 3)``: fixed, where lighteval draws from the global ``random``) in
-  lighteval's ``gpqa_instruct_prompt``; the completion's letter extracted by lighteval's ``IndicesExtractionConfig``
-  patterns (``NativeLetters``, ``try_extract_without_anchor``), ported here: it must equal the gold letter.
+- ``gpqa_diamond`` (``Idavidrein/gpqa``, ``gpqa_diamond``): the question and its four answers shuffled as a
+  lighteval run shuffles them: its pipeline seeds ``random`` with 1234 and ``gpqa_instruct_prompt`` draws
+  ``randint(0, 3)`` once per record, in the file's order, so record ``i`` takes the ``i``-th draw of
+  ``Random(1234)`` (the same multiple-choice test, letter for letter); the user turn as lighteval's prompt manager
+  renders it (the instruction cut off the query, then put back in front of it with no separator). The completion's
+  letter extracted by lighteval's ``IndicesExtractionConfig`` patterns (``NativeLetters``,
+  ``try_extract_without_anchor``), ported here: it must equal the gold letter.
 
-One difference, by the issue's rule: a gold math-verify cannot parse makes every sample of its prompt unscored
-(counted wrong and reported), where lighteval compares the raw gold text with the completion's first match.
+Verdicts: lighteval 0.13's own metric in its own venv (:mod:`deepzero.rollout.lighteval_verdicts`; every completion
+first loses its reasoning as lighteval's pipeline removes it, :func:`without_reasoning`). Without that venv, the
+port above decides; there a gold math-verify cannot parse makes every sample of its prompt unscored (counted wrong
+and reported), where lighteval compares the raw gold text with the completion's first match.
 """
 
 from __future__ import annotations
@@ -96,12 +101,21 @@ class Benchmark:
             out.append({"prompt": [{"role": "user", "content": user}], "gold": gold, "benchmark_index": i})
         return out
 
-    def score(self, completions: Sequence[str], gold: Sequence[str]) -> tuple[list[float | None], list[Any]]:
-        """1.0 / 0.0 per completion as lighteval scores it (None for each where the gold does not parse), and the
-        answer extracted from each (None: none); a gold shared by a prompt's samples is parsed once."""
+    def score(
+        self, completions: Sequence[str], gold: Sequence[str], queries: Sequence[str] | None = None
+    ) -> tuple[list[float | None], list[Any]]:
+        """1.0 / 0.0 per completion as lighteval 0.13 scores it, by its own metric in its own venv
+        (:mod:`deepzero.rollout.lighteval_verdicts`; ``queries``: each one's user turn), and the answer extracted
+        from each by the project's port (None: none), which votes. Without lighteval's venv the port also scores
+        (None for each sample whose gold it cannot parse); a gold shared by a prompt's samples is parsed once."""
+        from deepzero.rollout.lighteval_verdicts import lighteval_scores
+
         voter = self.voter()
-        golds = {g: voter.key(g, None) for g in dict.fromkeys(gold)}
         preds = [voter.key(text, None) for text in completions]
+        theirs = lighteval_scores(self.scoring, queries or [""] * len(gold), gold, completions)
+        if theirs is not None:
+            return list(theirs), preds
+        golds = {g: voter.key(g, None) for g in dict.fromkeys(gold)}
         scores = [
             None if golds[g] is None else float(p is not None and voter.same(golds[g], p))
             for p, g in zip(preds, gold, strict=True)
@@ -135,10 +149,20 @@ def _math500(record: dict[str, Any], index: int) -> tuple[str, str]:
     return MATH_QUERY_TEMPLATE.format(prompt=record["problem"]), f"ANSWER: {record['solution']}"
 
 
+LIGHTEVAL_SEED = 1234
+"""lighteval's ``Pipeline._init_random_seeds``: ``random.seed(1234)`` before any prompt function runs."""
+
+
+@cache
+def _gpqa_draws(count: int) -> tuple[int, ...]:
+    rng = random.Random(LIGHTEVAL_SEED)
+    return tuple(rng.randint(0, 3) for _ in range(count))
+
+
 def gpqa_choices(record: dict[str, Any], index: int) -> tuple[list[str], int]:
-    """The four answers, the correct one inserted at a position drawn from ``random.Random(index)`` (as lighteval
-    inserts it at ``random.randint(0, 3)``)."""
-    gold_index = random.Random(index).randint(0, 3)
+    """The four answers, the correct one inserted where a lighteval run inserts it for the file's ``index``-th
+    record: the ``index``-th ``randint(0, 3)`` of ``random`` seeded with 1234 (one draw per record, in order)."""
+    gold_index = _gpqa_draws(1 << max(8, index.bit_length() + 1))[index]
     choices = [record["Incorrect Answer 1"], record["Incorrect Answer 2"], record["Incorrect Answer 3"]]
     choices.insert(gold_index, record["Correct Answer"])
     return choices, gold_index
@@ -150,7 +174,16 @@ def _gpqa(record: dict[str, Any], index: int) -> tuple[str, str]:
         A=choices[0].strip(), B=choices[1].strip(), C=choices[2].strip(), D=choices[3].strip(),
         Question=record["Question"].strip(), Instruction=GPQA_INSTRUCTION,
     )  # fmt: skip
-    return query, "ABCD"[gold_index]
+    return rendered_turn(query, GPQA_INSTRUCTION), "ABCD"[gold_index]
+
+
+def rendered_turn(query: str, instruction: str | None) -> str:
+    """The user turn lighteval's ``PromptManager._prepare_chat_template`` sends for a doc's ``query`` and
+    ``instruction``: the instruction cut off the query's front (then stripped) and prepended again, no separator."""
+    if instruction is None:
+        return query
+    body = query[len(instruction) :].strip() if query.startswith(instruction) else query
+    return instruction + body
 
 
 BENCHMARKS = {
@@ -181,6 +214,24 @@ def benchmark(name: str) -> Benchmark:
     return BENCHMARKS[name]
 
 
+REASONING_TAGS = (("<think>", "</think>"),)
+"""lighteval's default ``reasoning_tags`` (``--remove-reasoning-tags`` is on by default)."""
+
+
+def without_reasoning(text: str) -> str:
+    """lighteval's ``remove_reasoning_tags``, which its pipeline applies to every response before the metrics: each
+    span from an opening tag to the next closing tag removed, while the text holds both (a completion whose
+    ``<think>`` was in the prompt, as R1-Distill's template prefills it, keeps its reasoning, as in lighteval)."""
+    for start_tag, end_tag in REASONING_TAGS:
+        while start_tag in text and end_tag in text:
+            start = text.find(start_tag)
+            end = text.find(end_tag, start)
+            if start == -1 or end == -1:
+                break
+            text = text[:start] + text[end + len(end_tag) :]
+    return text
+
+
 # -- math: lighteval's pass_at_k_math extraction, by math-verify ---------------------------------------------------
 def _math_configs() -> list[Any]:
     from math_verify import ExprExtractionConfig, LatexExtractionConfig
@@ -190,8 +241,8 @@ def _math_configs() -> list[Any]:
 
 def _math_key(text: str, logged: str | None = None) -> Any:
     """What lighteval's ``pass_at_k_math`` extracts from a (stripped) completion or gold: its parsed expressions and
-    the first match's text; None when no pattern matches."""
-    return _parsed_math(text.strip())
+    the first match's text; None when no pattern matches. Reasoning is removed first, as lighteval's pipeline does."""
+    return _parsed_math(without_reasoning(text).strip())
 
 
 @lru_cache(maxsize=4096)
@@ -239,7 +290,9 @@ def _letter_patterns() -> list[tuple[re.Pattern[str], int]]:
 
 def extract_letter(text: str, logged: str | None = None) -> str | None:
     """The answer letter as lighteval's ``extract_target_from_pred`` finds it: the patterns by priority, within a
-    priority the match ending last (then starting first); None when no pattern matches."""
+    priority the match ending last (then starting first); None when no pattern matches. Reasoning is removed first,
+    as lighteval's pipeline does."""
+    text = without_reasoning(text)
     for _, group in groupby(_letter_patterns(), key=lambda p: p[1]):
         matches = [m for pattern, _ in group for m in pattern.finditer(text)]
         if matches:
@@ -249,13 +302,15 @@ def extract_letter(text: str, logged: str | None = None) -> str | None:
 
 
 LETTERS = Voter("the answer letter, as lighteval's gpqa_instruct_pass_at_k extracts", extract_letter, str.__eq__)
-PROGRAMS = Voter("the program's text", lambda text, logged: truncate_at_stops(text).strip() or None, str.__eq__)
+PROGRAMS = Voter(
+    "the program's text", lambda text, logged: truncate_at_stops(without_reasoning(text)).strip() or None, str.__eq__
+)
 
 
 def _lcb_code(text: str, logged: str | None = None) -> str | None:
     from deepzero.rollout.lcb import extract_code
 
-    return extract_code(text).strip() or None
+    return extract_code(without_reasoning(text)).strip() or None
 
 
 LCB_PROGRAMS = Voter("the code between the last two fences", _lcb_code, str.__eq__)
@@ -278,7 +333,8 @@ def benchmark_reward(bench: Benchmark) -> Callable[..., list[float | None]]:
         prompts: list[Any], completions: list[Any], gold: list[str], log_extra: Callable | None = None, **kw: Any
     ) -> list[float | None]:
         texts = [c[-1]["content"] if isinstance(c, list) else c for c in completions]
-        scores, answers = bench.score(texts, gold)
+        queries = [p[-1]["content"] if isinstance(p, list) else p for p in prompts]
+        scores, answers = bench.score(texts, gold, queries)
         if log_extra is not None:
             log_extra("answer_parsed", ["[unparseable]" if a is None else str(a) for a in answers])
         return scores
@@ -299,7 +355,7 @@ def benchmark_rewards(bench: Benchmark, sandbox: str = "bwrap", timeout_s: float
         run = code_reward(shared_sandbox(sandbox))
 
         def harness(prompts: list[Any], completions: list[Any], **kw: Any) -> list[float]:
-            return run(prompts, [truncate_at_stops(c) for c in completions], **kw)
+            return run(prompts, [truncate_at_stops(without_reasoning(c)) for c in completions], **kw)
 
         reward = Reward(bench.name, 1.0, harness, messages=False, needs=("test",))
     elif bench.scoring == "lcb":
@@ -307,7 +363,13 @@ def benchmark_rewards(bench: Benchmark, sandbox: str = "bwrap", timeout_s: float
         from deepzero.rollout.sandbox import Limits, Sandbox
 
         box = Sandbox(sandbox, Limits(wall_s=MOST_TESTS_S, cpu_s=MOST_TESTS_S, memory_mb=4096))
-        reward = Reward(bench.name, 1.0, lcb_reward(box), messages=False, needs=("lcb_tests",))
+        grade = lcb_reward(box)
+
+        def graded(prompts: list[Any], completions: list[Any], **kw: Any) -> list[float]:
+            texts = [c[-1]["content"] if isinstance(c, list) else c for c in completions]
+            return grade(prompts, [without_reasoning(t) for t in texts], **kw)
+
+        reward = Reward(bench.name, 1.0, graded, messages=False, needs=("lcb_tests",))
     else:
         reward = Reward(bench.name, 1.0, benchmark_reward(bench), messages=False, needs=("gold",))
     return RewardSet([reward], DEFAULT_TIMEOUT_S if timeout_s is None else timeout_s)

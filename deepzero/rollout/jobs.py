@@ -283,6 +283,10 @@ class Job:
         a contiguous run of the prompts still to do, sorted), never held together."""
         summary = summarise(self.files.lines(), self.args.pass_k)
         summary |= {**self.settings(), "correct": str(self.correct), "run": figures}
+        if self.args.benchmark and benchmark(self.args.benchmark).scoring in ("math", "letters"):
+            from deepzero.rollout.lighteval_verdicts import verdicts_by
+
+            summary["verdicts"] = verdicts_by()
         if self.keep is not None:
             summary |= write_chat(self.files.lines(), self.keep, self.args.per_prompt, self.files.chat)
         write_atomic(self.files.summary, json.dumps(summary, indent=2))
