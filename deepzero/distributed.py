@@ -18,7 +18,7 @@ import torch.distributed as dist
 from deepspeed.accelerator import get_accelerator
 
 from deepzero.errors import RaisedElsewhere, UserError
-from deepzero.op_builds import check_op_builds
+from deepzero.op_builds import check_op_builds, lock_report
 from deepzero.quiet import printed_lines_dropped
 from deepzero.watchdog import phase
 
@@ -49,7 +49,10 @@ def init_distributed() -> tuple[int, int]:
         local_world = int(os.environ.get("LOCAL_WORLD_SIZE", os.environ["WORLD_SIZE"]))
         torch.set_num_threads(max(1, (os.cpu_count() or 1) // local_world))  # CPU ranks share the cores
     check_op_builds()  # DeepSpeed builds its CPU comm op here: never behind a killed build's lock
-    with printed_lines_dropped(), phase("joining the process group (every rank, and DeepSpeed's comm op build)"):
+    with (
+        printed_lines_dropped(),
+        phase("joining the process group (every rank, and DeepSpeed's comm op build)", detail=lock_report),
+    ):
         deepspeed.init_distributed(dist_init_required=True, verbose=False)
     release_shm_buffers()
     return dist.get_rank(), dist.get_world_size()

@@ -69,6 +69,34 @@ def op_locks(root: Path) -> list[Path]:
     return sorted(lock for lock in [*root.glob("*/lock"), *root.glob("*/*/lock")] if lock.is_file())
 
 
+def building(folder: Path) -> bool:
+    """Whether a process is compiling in ``folder`` (its working folder, or named on its command line: ninja and the
+    compiler torch's builder runs there)."""
+    target = str(folder)
+    for pid in filter(str.isdigit, os.listdir("/proc")):
+        try:
+            cwd = os.readlink(f"/proc/{pid}/cwd")
+            args = Path(f"/proc/{pid}/cmdline").read_bytes().replace(b"\0", b" ").decode(errors="replace")
+        except OSError:
+            continue
+        if cwd == target or (target in args and any(t in args for t in ("ninja", "c++", "g++", "cc1plus", "nvcc"))):
+            return True
+    return False
+
+
+def lock_report(root: Path | None = None) -> str:
+    """What a wait on the op builds is behind, for the watchdog's line: each op lock, its age, and whether a build is
+    running beside it (none: a killed build's lock, and the ``rm`` that clears it)."""
+    root, now = root or build_root(), time.time()
+    parts = []
+    for lock in op_locks(root):
+        if (mtime := modified(lock)) is None:
+            continue
+        state = "a build is running" if building(lock.parent) else f"no build is running: a killed build's; rm {lock}"
+        parts.append(f"op build lock {lock} ({now - mtime:.0f} s old, {state})")
+    return f"; waiting behind {', '.join(parts)}" if parts else ""
+
+
 def claim_op_builds(root: Path | None = None) -> list[Path]:
     """At a process's start: when no other deepzero process is alive on ``root`` (an exclusive flock on ``OWNERS``
     succeeds), remove every op lock there (a killed build's) and return them; then hold a shared flock for this

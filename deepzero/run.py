@@ -46,7 +46,7 @@ from deepzero.flops import flops_per_token, peak_tflops, routed_experts
 from deepzero.losses.objectives import PreferenceSettings
 from deepzero.memory_savers import MemorySavers
 from deepzero.metrics import MetricsSink, redact
-from deepzero.op_builds import check_op_builds
+from deepzero.op_builds import check_op_builds, lock_report
 from deepzero.plan import SaverTerms, check_fit, model_stats
 from deepzero.precision import check_fp16_range, fp16_risk
 from deepzero.presets import PRESETS
@@ -344,7 +344,7 @@ def setup(args: TrainArgs) -> Run:
     rank, world = init_distributed()
     checkpoint_storage.check_shared_storage(args.checkpoint_dir, plan.cfg.ds, plan.cfg.path)
     torch.manual_seed(args.seed)
-    with phase("loading the weights and building the DeepSpeed engine (its ops may compile)"):
+    with phase("loading the weights and building the DeepSpeed engine (its ops may compile)", detail=lock_report):
         engine = plan.engine_settings.build(partial(make_model, args, plan), plan.cfg.ds, plan.seq_len)
     reference_line = methods.preference.attach(args, plan, engine)  # before any step or checkpoint: the start
     if plan.grpo is not None:  # the prompts, tokenizer and rewards; a frozen copy of the starting weights (beta > 0)

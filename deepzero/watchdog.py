@@ -12,7 +12,7 @@ import os
 import sys
 import threading
 import time
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 
 START_LIMIT_S = 60.0
@@ -20,7 +20,7 @@ LOOP_FACTOR = 10.0
 LOOP_FLOOR_S = 60.0
 TICK_S = 0.1
 """How often the watcher looks."""
-_state: dict[str, object] = {"name": None, "start": 0.0, "limit": 0.0, "said": 0.0}
+_state: dict[str, object] = {"name": None, "start": 0.0, "limit": 0.0, "said": 0.0, "detail": None}
 _usual: dict[str, float] = {}
 _lock = threading.Lock()
 _thread: threading.Thread | None = None
@@ -36,20 +36,24 @@ def _watch() -> None:
         time.sleep(TICK_S)
         with _lock:
             name, start, limit, said = _state["name"], _state["start"], _state["limit"], _state["said"]
+            detail = _state["detail"]
             if name is None:
                 continue
             waited = time.monotonic() - float(start)
             if waited >= float(limit) and waited >= 2 * float(said):
                 _state["said"] = waited
-                sys.stderr.write(f"{_rank()}deepzero: still {name} after {waited:.0f} s\n")
+                what = detail() if callable(detail) else ""
+                sys.stderr.write(f"{_rank()}deepzero: still {name} after {waited:.0f} s{what}\n")
                 sys.stderr.flush()
 
 
 @contextmanager
-def phase(name: str, limit_s: float | None = None, every: bool = False) -> Iterator[None]:
+def phase(
+    name: str, limit_s: float | None = None, every: bool = False, detail: Callable[[], str] | None = None
+) -> Iterator[None]:
     """Mark this process as ``name`` (e.g. "waiting for every rank to join") while the block runs; a line is
     printed when it outlasts ``limit_s`` (default: ``START_LIMIT_S``, or for an ``every`` phase its usual time ×
-    ``LOOP_FACTOR``)."""
+    ``LOOP_FACTOR``), ending in what ``detail()`` says the wait is on (e.g. an op build's lock)."""
     global _thread
     if _thread is None:
         _thread = threading.Thread(target=_watch, name="deepzero-watchdog", daemon=True)
@@ -58,7 +62,7 @@ def phase(name: str, limit_s: float | None = None, every: bool = False) -> Itera
         limit_s = max(LOOP_FLOOR_S, LOOP_FACTOR * _usual[name]) if every and name in _usual else START_LIMIT_S
     with _lock:
         previous = dict(_state)
-        _state.update(name=name, start=time.monotonic(), limit=limit_s, said=0.0)
+        _state.update(name=name, start=time.monotonic(), limit=limit_s, said=0.0, detail=detail)
     start = time.monotonic()
     try:
         yield

@@ -145,3 +145,28 @@ def test_a_real_build_killed_mid_way_then_a_launch_finishes_the_build_and_trains
                   nproc=1, env=env, timeout=600)  # fmt: skip
     assert f"removed {left[0]}, left by a DeepSpeed op build that was killed" in proc.stdout
     assert [r["step"] for r in records(out)] == [1, 2] and list(root.glob("**/*.so"))
+
+
+def test_a_wait_behind_an_op_lock_names_the_lock_its_age_and_the_fix(tmp_path: Path, capsys) -> None:
+    """The watchdog's line for a launch stuck behind an op lock names the lock, its age and whether a build is
+    running beside it: none, a killed build's, with the rm that clears it; a process compiling in the op's folder is
+    a live build, not to be removed."""
+    from deepzero import op_builds
+    from deepzero.watchdog import phase
+
+    lock = tmp_path / "deepspeed_shm_comm" / "lock"
+    lock.parent.mkdir()
+    lock.write_text("")
+    with phase("joining", limit_s=0.05, detail=lambda: op_builds.lock_report(tmp_path)):
+        time.sleep(0.5)
+    line = capsys.readouterr().err
+    assert "still joining after" in line and f"op build lock {lock} (" in line
+    assert f"no build is running: a killed build's; rm {lock}" in line
+    compiler = subprocess.Popen(["sleep", "30"], cwd=lock.parent)
+    try:
+        time.sleep(0.2)
+        assert "a build is running" in op_builds.lock_report(tmp_path)
+    finally:
+        compiler.kill()
+        compiler.wait()
+    assert op_builds.lock_report(tmp_path / "empty") == ""
