@@ -1,5 +1,5 @@
 """What keeps a long sequence off the card, decided once while the run is planned and applied to the model
-before an engine wraps it: the tiled LM loss (``deepzero.losses.tiled``), the checkpointed hidden states kept in
+before an engine wraps it: the tiled LM loss (``deepzero.tiled_loss``), the checkpointed hidden states kept in
 host memory, and the MLPs run in sequence tiles (DeepSpeed's ``TiledMLP`` from Arctic Long Sequence Training).
 
 Each is exact (the same loss and gradients, tested in fp32) and trades time for memory: the tiled loss recomputes
@@ -20,7 +20,7 @@ from torch import nn
 from torch.utils.checkpoint import checkpoint
 
 from deepzero.errors import UserError
-from deepzero.losses import TiledLoss, install_tiled_loss
+from deepzero.tiled_loss import TiledLoss, install_tiled_loss
 
 
 @dataclass(frozen=True)

@@ -23,7 +23,7 @@ from deepzero.losses.grpo.loss import advantages, nanstd
 from deepzero.losses.grpo.objective import GRPO
 from deepzero.losses.grpo.rollout import completion_rows
 from deepzero.losses.grpo.settings import LOSS_TYPES, GRPOSettings
-from deepzero.losses.tiled import TiledLoss, install_tiled_loss
+from deepzero.tiled_loss import TiledLoss, install_tiled_loss
 
 TOL = 1e-5
 

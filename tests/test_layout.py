@@ -54,6 +54,7 @@ LAYERS: tuple[tuple[str, tuple[str, ...]], ...] = (
             "deepzero.placement",
             "deepzero.placement_hooks",
             "deepzero.memory_savers",
+            "deepzero.tiled_loss",
             "deepzero.sequence_parallel",
             "deepzero.moe_balance",
             "deepzero.reference",
@@ -152,6 +153,56 @@ def test_an_upward_import_hidden_inside_a_function_is_caught() -> None:
     found = upward_imports(edges)
     assert any(line.startswith("deepzero.plan.setup (the parts) -> deepzero.engines") for line in found), found
     assert any(line.startswith("deepzero.errors (leaf utilities) -> deepzero.run") for line in found), found
+
+
+def package_loops(edges: dict[str, set[str]]) -> list[list[str]]:
+    """The loops between packages (``deepzero.losses`` for every module under it; a top-level module stands for
+    itself): each set of two or more that import each other round, sorted (Tarjan's strongly connected components)."""
+
+    def unit(module: str) -> str:
+        return ".".join(module.split(".")[:2])
+
+    graph: dict[str, set[str]] = {}
+    for module, targets in edges.items():
+        graph.setdefault(unit(module), set()).update(unit(t) for t in targets if unit(t) != unit(module))
+    index: dict[str, int] = {}
+    low: dict[str, int] = {}
+    stack: list[str] = []
+    loops: list[list[str]] = []
+
+    def visit(node: str) -> None:
+        index[node] = low[node] = len(index)
+        stack.append(node)
+        for nxt in graph.get(node, ()):
+            if nxt not in index:
+                visit(nxt)
+                low[node] = min(low[node], low[nxt])
+            elif nxt in stack:
+                low[node] = min(low[node], index[nxt])
+        if low[node] == index[node]:
+            members = []
+            while True:
+                member = stack.pop()
+                members.append(member)
+                if member == node:
+                    break
+            if len(members) > 1:
+                loops.append(sorted(members))
+
+    for node in sorted(graph):
+        if node not in index:
+            visit(node)
+    return sorted(loops)
+
+
+def test_no_package_imports_another_that_imports_it_back() -> None:
+    assert package_loops(import_graph()) == []
+
+
+def test_a_package_loop_is_found() -> None:
+    edges = import_graph()
+    edges["deepzero.tiled_loss"] = {*edges.get("deepzero.tiled_loss", set()), "deepzero.memory_savers"}
+    assert ["deepzero.memory_savers", "deepzero.tiled_loss"] in package_loops(edges)
 
 
 def test_no_module_is_over_the_limit() -> None:

@@ -20,10 +20,10 @@ from deepzero.adapters import quant
 from deepzero.adapters.lora import LoraSpec
 from deepzero.args import parse_args
 from deepzero.errors import UserError
-from deepzero.losses.tiled import TiledLoss, vocab_block
 from deepzero.modeling import planning_config
 from deepzero.plan import GiB, Setup, ZeroKnobs, estimate, model_stats, rank_states
 from deepzero.presets import PRESETS, get_preset
+from deepzero.tiled_loss import TiledLoss, vocab_block
 
 N = 3
 

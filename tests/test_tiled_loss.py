@@ -191,7 +191,7 @@ def test_16bit_backward_holds_no_vocab_by_hidden_temporary(dtype: torch.dtype) -
     outputs more elements than one tile's [tile × vocab] logits, except the fp32 accumulator and the result (before,
     each tile made a 16-bit [V × H] product and its fp32 copy); and the gradient equals one whole-vocabulary
     product per tile summed in fp32."""
-    from deepzero.losses.tiled import _TiledCrossEntropy
+    from deepzero.tiled_loss import _TiledCrossEntropy
 
     vocab, hidden, rows, tile = 1000, 16, 12, 4
     x, w, targets = _head_inputs(vocab, hidden, rows, dtype)
@@ -208,7 +208,7 @@ def test_16bit_backward_holds_no_vocab_by_hidden_temporary(dtype: torch.dtype) -
         d[torch.arange(d.shape[0]), targets[first : first + tile]] -= 1
         ref += (d.to(dtype).t() @ x[first : first + tile]).float()
     assert torch.allclose(w.grad.float(), ref.to(dtype).float(), rtol=1e-2, atol=1e-3)
-    from deepzero.losses.tiled import vocab_block
+    from deepzero.tiled_loss import vocab_block
 
     assert vocab_block(tile, vocab, hidden) == 250  # 250 × 16 = 4 × 1000: a block holds what a tile's logits hold
 
@@ -216,7 +216,7 @@ def test_16bit_backward_holds_no_vocab_by_hidden_temporary(dtype: torch.dtype) -
 def test_a_frozen_head_allocates_no_weight_gradient() -> None:
     """LoRA's LM head is frozen: the backward allocates nothing of [V × H] (no fp32 accumulator, no cast) and
     gives the hidden states exactly the gradient it gives them when the head trains."""
-    from deepzero.losses.tiled import _TiledCrossEntropy
+    from deepzero.tiled_loss import _TiledCrossEntropy
 
     vocab, hidden, rows, tile = 1000, 16, 12, 4
     x, w, targets = _head_inputs(vocab, hidden, rows, torch.bfloat16)

@@ -30,7 +30,7 @@ from torch import nn
 from deepzero.data import IGNORE_INDEX
 from deepzero.errors import UserError
 from deepzero.losses.lm import lm_loss, loss_normalizer, target_count
-from deepzero.losses.tiled import has_tiled_loss
+from deepzero.tiled_loss import has_tiled_loss
 
 LOSSES = ("sigmoid", "ipo", "hinge", "simpo")
 REFERENCES = ("precomputed", "adapters-off")

@@ -4,10 +4,10 @@ offload, tiled MLP, sequence parallelism) and the loss's working set over the LM
 from __future__ import annotations
 
 from deepzero import memory_savers
-from deepzero.losses.tiled import TiledLoss
 from deepzero.plan.arch import Arch, ModelStats
 from deepzero.plan.setup import Setup
 from deepzero.sequence_parallel import MASK_ELEMENTS, padded_length
+from deepzero.tiled_loss import TiledLoss
 
 
 def _norm(width: int, fp32: bool = False) -> int:
@@ -136,7 +136,7 @@ def offloaded_bytes(stats: ModelStats, setup: Setup) -> int:
 
 
 def logits_bytes(stats: ModelStats, setup: Setup) -> int:
-    """The loss's working set over the LM head: ``losses.tiled.TiledLoss.working_bytes``, the formula that lives next
+    """The loss's working set over the LM head: ``tiled_loss.TiledLoss.working_bytes``, the formula that lives next
     to the code it counts (untiled: 16-bit logits, fp32 log-softmax and two fp32 gradients per [tokens × vocab]
     value, 12 in fp32, measured on the CPU by bench/long_context.py; tiled: one tile's values, the fp32 weight
     gradient and the 16-bit run's vocabulary blocks, the per-token log-sum-exp and the hidden-state gradient)."""

@@ -16,7 +16,7 @@ import torch.distributed as dist
 
 from deepzero.data import IGNORE_INDEX
 from deepzero.losses.grpo.settings import GRPOSettings
-from deepzero.losses.tiled import has_tiled_loss
+from deepzero.tiled_loss import has_tiled_loss
 
 Batch = dict[str, torch.Tensor]
 
