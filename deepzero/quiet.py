@@ -17,6 +17,8 @@ names where the message comes from, so it can be dropped when the library stops 
   a faster CPU 4-bit matmul when it is imported and logs ``Failed to load CPU gemm_4bit_forward from
   kernels-community: ... could not verify publisher trust status`` on every rank when that is refused (always,
   offline or not; ``backends/cpu/ops.py``); it then uses its own kernel, as it would without ``kernels``.
+- Transformers' and huggingface_hub's tqdm bars ("Loading weights", "Writing model shards", downloads) when stderr is
+  not a terminal: in a log file each redraw is another line of carriage returns. On a terminal they stay.
 """
 
 from __future__ import annotations
@@ -58,7 +60,13 @@ LOGGED = {DEEPSPEED_LOGGER: _Drop(exact=DEEPSPEED_MESSAGES), BITSANDBYTES_LOGGER
 
 
 def install() -> None:
-    """Install the filters (idempotent: a second call adds nothing)."""
+    """Install the filters (idempotent: a second call adds nothing); library progress bars off in a log."""
+    if not sys.stderr.isatty():
+        from huggingface_hub.utils import disable_progress_bars
+        from transformers.utils import logging as transformers_logging
+
+        transformers_logging.disable_progress_bar()
+        disable_progress_bars()
     for pattern in FUTURE_WARNINGS:
         warnings.filterwarnings("ignore", message=pattern, category=FutureWarning)  # de-duplicated by warnings
     for name, drop in LOGGED.items():

@@ -81,3 +81,17 @@ def test_bitsandbytes_kernel_hub_notice_is_dropped_and_nothing_else() -> None:
     assert "stand-in" in run["loud"].stderr and "stand-in" not in run["quiet"].stderr
     assert "another bitsandbytes warning" in run["quiet"].stderr
     assert "kernels-community" not in run["quiet"].stderr
+
+
+def test_library_progress_bars_stay_out_of_a_log() -> None:
+    """Transformers' "Loading weights" / "Writing model shards" bars (and huggingface_hub's) print into a log as lines
+    of carriage returns: off when stderr is not a terminal, as in every launch's log file."""
+    probe = (
+        "import sys\n"
+        "from deepzero import quiet; quiet.install()\n"
+        "from huggingface_hub.utils import are_progress_bars_disabled\n"
+        "from transformers.utils.logging import is_progress_bar_enabled\n"
+        "print(is_progress_bar_enabled(), are_progress_bars_disabled())\n"
+    )
+    proc = subprocess.run([sys.executable, "-c", probe], cwd=REPO, capture_output=True, text=True, check=True)
+    assert proc.stdout.split() == ["False", "True"], proc.stdout
