@@ -519,3 +519,40 @@ def test_padding_steers_neither_loads_nor_bias_nor_loss_through_train_py(
         assert rb["balance_loss"] == pytest.approx(ra["balance_loss"], rel=1e-4)
         for la, lb in zip(ra["expert_load"], rb["expert_load"], strict=True):
             assert lb == pytest.approx(la, abs=0.02), (la, lb)
+
+
+@pytest.mark.launcher
+def test_a_saved_v3_folders_bias_moves_through_train_py_into_the_checkpoint_hf_and_a_resume(
+    tiny_data: Path, tmp_path: Path
+) -> None:
+    """A DeepSeek-V3 folder saved by Transformers, fully fine-tuned by train.py on 3 ranks with the default balancing
+    (γ 0.001): after 3 steps every layer's e_score_correction_bias has moved (±γ per step), the checkpoint and hf/
+    hold the same bias, and a --resume starts from it and moves it on."""
+    from conftest import launch
+    from safetensors.torch import load_file
+    from test_qlora import pretrained_moe
+
+    base = pretrained_moe(tmp_path / "v3", "tiny-deepseek-v3")
+    out = tmp_path / "run"
+    args = ["--deepspeed_config", "ds_configs/zero2.json", "--model", str(base), "--data", str(tiny_data)]
+    args += ["--out", str(out), "--micro-batch", "2", "--grad-accum", "1", "--log-interval", "1"]
+    args += ["--eval-interval", "0", "--precision", "fp32", "--save-interval", "3"]
+    launch([*args, "--max-steps", "3"])
+    source = load_file(base / "model.safetensors")
+    keys = [k for k in source if k.endswith("e_score_correction_bias")]
+    assert keys
+
+    def checkpointed(step: int) -> dict[str, torch.Tensor]:
+        folder = out / "checkpoints" / f"step{step:08d}"
+        states = torch.load(next(folder.glob("*model_states.pt")), weights_only=False)["module"]
+        return {k: states[k].float() for k in keys}
+
+    at3, exported = checkpointed(3), load_file(out / "hf" / "model.safetensors")
+    for key in keys:
+        moved = at3[key] - source[key].float()
+        assert moved.abs().max() >= 0.001 - 1e-6, key  # at least one step's ±γ stands
+        assert torch.equal(exported[key].float(), at3[key]), key  # hf/ holds the trained bias (fp32 kept)
+    launch([*args, "--max-steps", "4", "--resume", "--save-interval", "4"])
+    at4 = checkpointed(4)
+    assert all(not torch.equal(at4[k], at3[k]) for k in keys)
+    assert all((at4[k] - at3[k]).abs().max() <= 0.001 + 1e-6 for k in keys)  # one step on from where it stood
