@@ -7,6 +7,7 @@ import ctypes
 import os
 import resource
 import signal
+import subprocess
 import time
 
 PR_SET_PDEATHSIG = 1
@@ -122,17 +123,32 @@ def memfd(name: str, data: bytes) -> int:
     return fd
 
 
-def spawn(settings: dict, job: dict, cgroup: dict | None, work: str, candidate: str) -> tuple:
+BOOTSTRAP = "import marshal, os, sys; exec(marshal.loads(os.pread(int(sys.argv[3]), {size}, 0)))"
+"""The candidate's ``-c``: the stub's code object, compiled once by the candidate's own Python, from a fresh memfd."""
+
+
+def compiled(python: str, source: str) -> bytes:
+    """``source`` compiled by ``python`` (the sandbox's; its bytecode is that version's), as marshal bytes."""
+    compile_it = (
+        "import marshal, sys; sys.stdout.buffer.write(marshal.dumps(compile(sys.stdin.read(), 'candidate.py', 'exec')))"
+    )
+    return subprocess.run([python, "-I", "-S", "-c", compile_it], input=source.encode(), capture_output=True,
+                          check=True).stdout  # fmt: skip
+
+
+def spawn(settings: dict, job: dict, cgroup: dict | None, work: str, candidate: bytes) -> tuple:
     """The candidate's process under the settings' containment (forked here, no threads to mind), with its
-    request/reply pipes and output pipes: (pid, requests, replies, stdout, stderr). ``candidate``: the source of
-    :mod:`deepzero.rollout.candidate`, run with ``-c``."""
+    request/reply pipes and output pipes: (pid, requests, replies, stdout, stderr). ``candidate``: the code object
+    of :mod:`deepzero.rollout.candidate` (:func:`compiled`), handed over in a memfd of this program's own."""
     req_r, req_w = os.pipe()
     rep_r, rep_w = os.pipe()
     out_r, out_w = os.pipe()
     err_r, err_w = os.pipe()
     given = memfd("stdin", job.get("stdin", "").encode())
-    keep = [req_r, rep_w]
-    argv = [settings["python"], "-I", "-S", "-B", "-c", candidate, str(req_r), str(rep_w)]
+    code = memfd("candidate", candidate)
+    keep = [req_r, rep_w, code]
+    boot = BOOTSTRAP.format(size=len(candidate))
+    argv = [settings["python"], "-I", "-S", "-B", "-c", boot, str(req_r), str(rep_w), str(code)]
     if settings["mode"] == "bwrap":
         cmd, env, cwd = list(settings["bwrap"]), {}, "/"
         if settings.get("seccomp"):

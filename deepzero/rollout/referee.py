@@ -243,7 +243,7 @@ def run_job(settings: dict, job: dict, cgroup: dict | None) -> dict:
             os.mkdir(work, 0o700)
             if settings["uid"] is not None:
                 os.chown(work, settings["uid"], settings["uid"])
-        pid, req_w, rep_r, out_r, err_r = confine.spawn(settings, job, cgroup, work, CANDIDATE)
+        pid, req_w, rep_r, out_r, err_r = confine.spawn(settings, job, cgroup, work, settings["candidate_code"])
         outputs = [Output(out_r, job.get("keep", lim["output_bytes"])), Output(err_r, STDERR_KEPT, tail=True)]
         remote = Remote(pid, req_w, rep_r, outputs)
         try:
@@ -263,7 +263,8 @@ def run_job(settings: dict, job: dict, cgroup: dict | None) -> dict:
         if pid is not None:
             confine.kill(pid, code is None)
             confine.empty_cgroup(cgroup)
-            confine.kill_uid(settings["uid"])
+            if cgroup is None:  # with one, emptying it killed whatever the program left
+                confine.kill_uid(settings["uid"])
             _drain(outputs)
             if status == "gone":
                 stderr = outputs[1].data.decode("utf-8", "replace")
@@ -331,6 +332,7 @@ def main() -> None:
     _libc.prctl(PR_SET_CHILD_SUBREAPER, 1, 0, 0, 0)
     sys.set_int_max_str_digits(0)
     settings = json.loads(sys.stdin.readline())
+    settings["candidate_code"] = confine.compiled(settings["python"], CANDIDATE)
     cgroup = confine.make_cgroup(settings)
     try:
         _serve(settings, cgroup)
