@@ -7,7 +7,7 @@ from __future__ import annotations
 from pathlib import Path
 
 from conftest import REPO
-from helpers.import_graph import PACKAGE, import_graph
+from helpers.import_graph import PACKAGE, cycles, import_graph
 
 MAX_LINES = 500
 """A module holds one job and stays readable in one sitting (~400 lines; this is the hard ceiling)."""
@@ -157,42 +157,15 @@ def test_an_upward_import_hidden_inside_a_function_is_caught() -> None:
 
 def package_loops(edges: dict[str, set[str]]) -> list[list[str]]:
     """The loops between packages (``deepzero.losses`` for every module under it; a top-level module stands for
-    itself): each set of two or more that import each other round, sorted (Tarjan's strongly connected components)."""
+    itself): each set of two or more that import each other round, sorted."""
 
     def unit(module: str) -> str:
         return ".".join(module.split(".")[:2])
 
-    graph: dict[str, set[str]] = {}
+    graph: dict[str, set[str]] = {unit(m): set() for m in {*edges, *(t for ts in edges.values() for t in ts)}}
     for module, targets in edges.items():
-        graph.setdefault(unit(module), set()).update(unit(t) for t in targets if unit(t) != unit(module))
-    index: dict[str, int] = {}
-    low: dict[str, int] = {}
-    stack: list[str] = []
-    loops: list[list[str]] = []
-
-    def visit(node: str) -> None:
-        index[node] = low[node] = len(index)
-        stack.append(node)
-        for nxt in graph.get(node, ()):
-            if nxt not in index:
-                visit(nxt)
-                low[node] = min(low[node], low[nxt])
-            elif nxt in stack:
-                low[node] = min(low[node], index[nxt])
-        if low[node] == index[node]:
-            members = []
-            while True:
-                member = stack.pop()
-                members.append(member)
-                if member == node:
-                    break
-            if len(members) > 1:
-                loops.append(sorted(members))
-
-    for node in sorted(graph):
-        if node not in index:
-            visit(node)
-    return sorted(loops)
+        graph[unit(module)].update(unit(t) for t in targets if unit(t) != unit(module))
+    return sorted(cycles(graph))
 
 
 def test_no_package_imports_another_that_imports_it_back() -> None:
