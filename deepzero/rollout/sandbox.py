@@ -35,7 +35,6 @@ import stat
 import subprocess
 import sys
 import tempfile
-import threading
 from collections.abc import Sequence
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import asdict, dataclass
@@ -184,7 +183,6 @@ class Sandbox:
         self._all = [Referee(settings | {"uid": _uid_for(slot)}) for slot in range(self.workers)]
         for referee in self._all:
             self._free.put(referee)
-        self._lock = threading.Lock()
         atexit.register(self.close)
         if mode == "bwrap":
             check_bwrap(self)
